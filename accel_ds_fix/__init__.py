@@ -1,0 +1,20 @@
+"""Train several models with one optimizer through accelerate + DeepSpeed.
+
+Importing this package activates the fix (see ``install()``); ``ACCEL_DS_FIX=1`` in the environment does the
+same in every Python process, through the ``accel_ds_fix.pth`` file installed with the package.
+"""
+
+from .instrumentation import install, is_installed, uninstall
+
+__version__ = "0.1.0"
+__all__ = ["install", "uninstall", "is_installed", "unwrap", "__version__"]
+
+
+def unwrap(model):
+    """The user's own model behind an object returned by a merged ``prepare()``; anything else unchanged."""
+    from .proxy import unwrap as _unwrap
+
+    return _unwrap(model)
+
+
+install()

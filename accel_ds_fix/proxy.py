@@ -1,0 +1,55 @@
+"""The object handed back in each model's place: the user's model, run through the shared DeepSpeed engine."""
+
+import copy
+
+import wrapt
+
+from .merged import TARGET_KEYWORD
+
+
+class ModelProxy(wrapt.BaseObjectProxy):
+    """Behaves like the wrapped model (``isinstance``, attributes, ``parameters()``, ``train()``/``eval()``).
+
+    Calling it calls the DeepSpeed engine, so DeepSpeed's forward work (ZeRO-3 parameter gathering, fp16
+    input casting, gradient hooks) applies exactly as for a single prepared model.
+    """
+
+    def __init__(self, model, engine, name):
+        super().__init__(model)
+        self._self_engine = engine
+        self._self_name = name
+
+    def __call__(self, *args, **kwargs):
+        kwargs[TARGET_KEYWORD] = self._self_name
+        return self._self_engine(*args, **kwargs)
+
+    # nn.Module.train() returns the module itself; return the proxy so `model = model.train()` keeps routing.
+    def train(self, mode=True):
+        self.__wrapped__.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def __copy__(self):
+        return copy.copy(self.__wrapped__)
+
+    def __deepcopy__(self, memo):
+        # A copy (an EMA model, say) is a plain module of its own, not a second view of the engine.
+        return copy.deepcopy(self.__wrapped__, memo)
+
+    def __reduce_ex__(self, protocol):
+        return self.__wrapped__.__reduce_ex__(protocol)
+
+    def __repr__(self):
+        return f"<accel_ds_fix proxy of {type(self.__wrapped__).__name__} as models.{self._self_name}>"
+
+
+def is_proxy(obj):
+    # type(), not isinstance(): a proxy reports the wrapped model's class to isinstance().
+    return issubclass(type(obj), ModelProxy)
+
+
+def unwrap(obj):
+    """The user's own model behind a proxy; anything else unchanged."""
+    return obj.__wrapped__ if is_proxy(obj) else obj

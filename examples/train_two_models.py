@@ -1,0 +1,198 @@
+"""A miniature of kohya's train_db.py / diffusers' train_dreambooth.py --train_text_encoder.
+
+Two models (a "text encoder" and a "unet"), one optimizer, one prepare() call, under accelerate + DeepSpeed,
+on the CPU. Without accel_ds_fix this script fails inside accelerator.prepare(); with it, it trains.
+
+    python examples/train_two_models.py --zero-stage 2 --offload cpu                 # fix not active: fails
+    ACCEL_DS_FIX=1 python examples/train_two_models.py --zero-stage 2 --offload cpu  # trains
+
+--reference trains the same models the way one fixes this by hand (one hand-written merged module), so that
+the tests can check the fix gives the same losses. Results go to --out as JSON.
+"""
+
+import argparse
+import json
+import os
+import socket
+import sys
+
+if "--import-fix-first" in sys.argv:  # activation before accelerate is imported
+    import accel_ds_fix  # noqa: F401
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DeepSpeedPlugin, set_seed
+
+if "--import-fix" in sys.argv:  # activation after accelerate is imported
+    import accel_ds_fix  # noqa: F401
+
+VOCAB, TOKENS, WIDTH, LATENT = 32, 6, 16, 8
+
+
+class TinyTextEncoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.proj = torch.nn.Linear(WIDTH, WIDTH)
+        self.norm = torch.nn.LayerNorm(WIDTH)
+
+    def forward(self, input_ids):
+        return self.norm(torch.tanh(self.proj(self.embed(input_ids))))
+
+
+class TinyUNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(LATENT, WIDTH)
+        self.cond = torch.nn.Linear(WIDTH, WIDTH)
+        self.out = torch.nn.Linear(WIDTH, LATENT)
+
+    def forward(self, noisy_latents, encoder_hidden_states):
+        h = self.inp(noisy_latents) + self.cond(encoder_hidden_states.mean(dim=1))
+        return self.out(torch.nn.functional.silu(h))
+
+
+class HandMerged(torch.nn.Module):
+    """The by-hand workaround: both models inside one module, one forward for a whole step."""
+
+    def __init__(self, text_encoder, unet):
+        super().__init__()
+        # Same order as the prepare(unet, text_encoder, ...) call, so DeepSpeed sees the parameters in one order.
+        self.models = torch.nn.ModuleDict({"tinyunet": unet, "tinytextencoder": text_encoder})
+
+    def forward(self, input_ids, noisy_latents):
+        dtype = next(self.parameters()).dtype
+        autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+        with autocast:
+            return self.models["tinyunet"](noisy_latents, self.models["tinytextencoder"](input_ids))
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--zero-stage", type=int, default=2)
+    p.add_argument("--offload", default="none", choices=["none", "cpu"], help="ZeRO optimizer offload device")
+    p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
+    p.add_argument("--gas", type=int, default=1, help="gradient accumulation steps")
+    p.add_argument("--steps", type=int, default=6, help="batches to train on")
+    p.add_argument("--first-step", type=int, default=0, help="batch to start from (after --resume)")
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--freeze-text-encoder", action="store_true", help="train the unet only (text encoder frozen)")
+    p.add_argument("--reference", action="store_true", help="train through a hand-written merged module")
+    p.add_argument("--save-state", help="accelerator.save_state() here after the last step")
+    p.add_argument("--resume", help="accelerator.load_state() from here before training")
+    p.add_argument("--export", help="save each model here with get_state_dict/save_model/unwrap_model")
+    p.add_argument("--out", help="write losses and results as JSON here")
+    p.add_argument("--import-fix", action="store_true", help="import accel_ds_fix after accelerate")
+    p.add_argument("--import-fix-first", action="store_true", help="import accel_ds_fix before accelerate")
+    return p.parse_args()
+
+
+def single_process_env():
+    # deepspeed.initialize wants a process group even for one process; launchers set these, `python` does not.
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+
+
+def make_accelerator(args):
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # `accelerate launch --use_deepspeed ...`
+        PartialState(backend="gloo")
+        return Accelerator()
+    plugin = DeepSpeedPlugin(
+        zero_stage=args.zero_stage,
+        offload_optimizer_device=args.offload,
+        gradient_accumulation_steps=args.gas,
+        gradient_clipping=1.0,
+    )
+    return Accelerator(deepspeed_plugin=plugin, mixed_precision=args.mixed_precision)
+
+
+def make_data(args, process_index, num_processes):
+    g = torch.Generator().manual_seed(1234)
+    total = (args.first_step + args.steps) * args.batch_size * num_processes
+    ids = torch.randint(0, VOCAB, (total, TOKENS), generator=g)
+    latents = torch.randn(total, LATENT, generator=g)
+    noise = torch.randn(total, LATENT, generator=g)
+    dataset = torch.utils.data.TensorDataset(ids, latents, noise)
+    return torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=False)
+
+
+def main():
+    args = parse_args()
+    single_process_env()
+    accelerator = make_accelerator(args)
+    set_seed(0)
+    text_encoder, unet = TinyTextEncoder(), TinyUNet()
+    if args.freeze_text_encoder:
+        text_encoder.requires_grad_(False)
+    trained = list(unet.parameters()) + ([] if args.freeze_text_encoder else list(text_encoder.parameters()))
+    optimizer = torch.optim.AdamW(trained, lr=args.lr)
+    dataloader = make_data(args, accelerator.process_index, accelerator.num_processes)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.1 * step))
+
+    if args.reference:
+        merged, optimizer, dataloader, scheduler = accelerator.prepare(
+            HandMerged(text_encoder, unet), optimizer, dataloader, scheduler
+        )
+        step_models = (merged,)
+        forward = merged
+    else:
+        # The line every two-model training script has, and the one DeepSpeed used to fail on.
+        unet, text_encoder, optimizer, dataloader, scheduler = accelerator.prepare(
+            unet, text_encoder, optimizer, dataloader, scheduler
+        )
+        step_models = (unet, text_encoder)
+
+        def forward(input_ids, noisy_latents):
+            return unet(noisy_latents, text_encoder(input_ids))
+
+    if args.resume:
+        accelerator.load_state(args.resume)
+
+    losses = []
+    for step, (ids, latents, noise) in enumerate(dataloader):
+        if step < args.first_step:
+            continue
+        with accelerator.accumulate(*step_models):
+            pred = forward(ids, latents + noise)
+            loss = torch.nn.functional.mse_loss(pred.float(), noise.float())
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        losses.append(accelerator.gather(loss.detach().float()).mean().item())
+        accelerator.print(f"step {step}: loss {losses[-1]:.6f}")
+
+    result = {"losses": losses, "fix_active": "accel_ds_fix" in sys.modules}
+    if args.save_state:
+        accelerator.save_state(args.save_state)
+    if args.export and not args.reference:
+        result["exported"] = export(accelerator, {"tinyunet": unet, "tinytextencoder": text_encoder}, args.export)
+    accelerator.wait_for_everyone()
+    if args.out and accelerator.is_main_process:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    accelerator.end_training()
+
+
+def export(accelerator, models, directory):
+    """Save every model the ways training scripts do; return where each file went."""
+    written = {}
+    for name, model in models.items():
+        state = accelerator.get_state_dict(model)
+        unwrapped = accelerator.unwrap_model(model)
+        if accelerator.is_main_process:
+            os.makedirs(directory, exist_ok=True)
+            torch.save(state, os.path.join(directory, f"{name}.get_state_dict.pt"))
+            torch.save(unwrapped.state_dict(), os.path.join(directory, f"{name}.unwrap_model.pt"))
+        accelerator.save_model(model, os.path.join(directory, f"{name}.save_model"), safe_serialization=False)
+        written[name] = type(unwrapped).__name__
+    return written
+
+
+if __name__ == "__main__":
+    main()
