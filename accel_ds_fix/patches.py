@@ -17,7 +17,11 @@ def uses_deepspeed(accelerator):
 
 
 def _count(params):
-    return sum(p.numel() for p in params)
+    n = sum(p.numel() for p in params)
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
 
 
 def _describe(plan, accelerator):
@@ -27,8 +31,8 @@ def _describe(plan, accelerator):
     for name, model in zip(plan.names, plan.models):
         params = list(model.parameters())
         trainable = _count(p for p in params if p.requires_grad)
-        parts.append(f"{name} ({type(model).__name__}, {_count(params) / 1e6:.2f}M params, {trainable / 1e6:.2f}M trainable)")
-    return f"accel_ds_fix: merged {len(plan.models)} models into one DeepSpeed engine (ZeRO stage {stage}): " + ", ".join(parts)
+        parts.append(f"{name} ({type(model).__name__}, {_count(params)} params, {trainable} trainable)")
+    return f"merged {len(plan.models)} models into one DeepSpeed engine (ZeRO stage {stage}): " + ", ".join(parts)
 
 
 def prepare(wrapped, instance, args, kwargs):

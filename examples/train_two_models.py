@@ -12,6 +12,7 @@ the tests can check the fix gives the same losses. Results go to --out as JSON.
 
 import argparse
 import json
+import logging
 import os
 import socket
 import sys
@@ -123,6 +124,8 @@ def make_data(args, process_index, num_processes):
 
 def main():
     args = parse_args()
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
+    logging.getLogger("accel_ds_fix").setLevel(logging.INFO)
     single_process_env()
     accelerator = make_accelerator(args)
     set_seed(0)

@@ -1,0 +1,77 @@
+"""Edge cases of merging, each in its own process on the real stack."""
+
+import json
+
+import pytest
+
+
+def result(proc):
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", ["shared_params", "paramless_model"])
+def test_handled_cases_train_like_hand_written_merge(scenario, name):
+    fixed, reference = result(scenario(name)), result(scenario(name, "--reference"))
+    assert fixed["losses"] == reference["losses"]
+    assert fixed["losses"][0] != fixed["losses"][-1]
+    if name == "shared_params":
+        assert fixed["still_shared"] is True
+
+
+def test_two_optimizers_is_refused_with_reason(scenario):
+    proc = scenario("two_optimizers", check=False)
+    assert proc.returncode != 0
+    assert "MergeError: accel_ds_fix: this prepare() call holds 2 optimizers" in proc.stderr
+    assert "one engine with exactly one optimizer" in proc.stderr
+    assert "parameter groups" in proc.stderr
+
+
+def test_optimizer_params_outside_models_are_named(scenario):
+    proc = scenario("stray_params", check=False)
+    assert proc.returncode != 0
+    assert "the optimizer holds 2 parameter(s) that belong to none of the 2 models" in proc.stderr
+    assert "shapes: (5, 3), (5,)" in proc.stderr
+    assert "KeyError" not in proc.stderr
+
+
+def test_preparing_proxies_again_is_refused(scenario):
+    proc = scenario("already_prepared", check=False)
+    assert proc.returncode != 0
+    assert "TinyUNet, TinyTextEncoder was already prepared by accelerate" in proc.stderr
+
+
+def test_one_model_is_left_to_accelerate(scenario):
+    assert result(scenario("one_model")) == {"type": "DeepSpeedEngine", "patched": True}
+
+
+def test_without_deepspeed_nothing_is_merged(scenario):
+    out = result(scenario("not_deepspeed"))
+    assert out["types"] == ["TinyUNet", "TinyTextEncoder"]
+    assert out["same"] == [True, True]
+    assert out["losses"][0] != out["losses"][-1]
+
+
+def test_auto_bucket_sizes_use_merged_hidden_size(scenario):
+    out = result(scenario("auto_bucket_sizes"))
+    assert out["reduce_bucket_size"] == 16 * 16  # widest model layer of the tiny models
+    assert len(out["losses"]) == 4
+
+
+def test_proxy_behaves_like_the_model(scenario):
+    proc = scenario("proxy_behaviour")
+    out = result(proc)
+    assert out == {
+        "isinstance": [True, True, True],
+        "attribute_is_original": True,
+        "setattr_reaches_model": True,
+        "eval_returns_proxy": True,
+        "training": [True, False],
+        "unwrap": True,
+        "param_count": True,
+        "output_shape": [2, 8],
+    }
+    log_lines = [line for line in proc.stderr.splitlines() if line.startswith("LOG accel_ds_fix")]
+    assert log_lines == [
+        "LOG accel_ds_fix merged 2 models into one DeepSpeed engine (ZeRO stage 2): "
+        "tinyunet (TinyUNet, 552 params, 552 trainable), tinytextencoder (TinyTextEncoder, 816 params, 816 trainable)"
+    ]

@@ -1,0 +1,63 @@
+"""Two models + one optimizer trained through the fix give the same losses as the hand-written merged module."""
+
+import sys
+
+import pytest
+
+from conftest import EXAMPLE, clean_env, run
+
+CONFIGS = {
+    "zero0": ["--zero-stage", "0"],
+    "zero1": ["--zero-stage", "1"],
+    "zero2": ["--zero-stage", "2"],
+    "zero3": ["--zero-stage", "3"],
+    "zero2-cpu-offload": ["--zero-stage", "2", "--offload", "cpu"],
+    "zero2-bf16-gas2": ["--zero-stage", "2", "--mixed-precision", "bf16", "--gas", "2"],
+    "zero3-bf16-gas2": ["--zero-stage", "3", "--mixed-precision", "bf16", "--gas", "2"],
+    "zero2-frozen-text-encoder": ["--zero-stage", "2", "--freeze-text-encoder"],
+}
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_losses_equal_hand_written_merge(train, config):
+    fixed = train(*config, "--import-fix")
+    reference = train(*config, "--reference")
+    assert fixed["fix_active"] and not reference["fix_active"]
+    assert len(fixed["losses"]) == 6
+    assert fixed["losses"] == reference["losses"]
+    assert fixed["losses"][-1] != fixed["losses"][0]  # it did train
+
+
+def test_without_fix_accelerate_refuses_two_models():
+    proc = run([sys.executable, EXAMPLE, "--zero-stage", "2"], check=False)
+    assert proc.returncode != 0
+    assert "You can't use same `Accelerator()` instance with multiple models when using DeepSpeed" in proc.stderr
+
+
+def test_import_before_accelerate(train):
+    assert train("--zero-stage", "2", "--import-fix-first")["losses"] == train("--zero-stage", "2", "--reference")["losses"]
+
+
+def launch(processes, zero_stage=2):
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", str(processes),
+        "--zero_stage", str(zero_stage), "--mixed_precision", "no", "--gradient_accumulation_steps", "1",
+        "--offload_optimizer_device", "none", "--offload_param_device", "none", "--num_machines", "1",
+    ]
+
+
+def test_env_var_activates_in_accelerate_launch_child(train):
+    # No import in the script: only ACCEL_DS_FIX=1, read by the .pth file in the launched child.
+    fixed = train(launcher=launch(1), env=clean_env(ACCEL_DS_FIX="1"))
+    reference = train("--reference", launcher=launch(1))
+    assert fixed["fix_active"]
+    assert fixed["losses"] == reference["losses"]
+
+
+def test_two_processes_data_parallel(train):
+    fixed = train(launcher=launch(2), env=clean_env(ACCEL_DS_FIX="1"))
+    reference = train("--reference", launcher=launch(2))
+    assert fixed["fix_active"]
+    assert fixed["losses"] == reference["losses"]
+    single = train("--zero-stage", "2", "--import-fix")
+    assert fixed["losses"] != single["losses"]  # really two shards of data
