@@ -14,6 +14,12 @@ TARGET_MODULE = "accelerate.accelerator"
 # attribute path inside accelerate.accelerator -> name of the wrapper in accel_ds_fix.patches
 PATCHED_METHODS = {
     "Accelerator.prepare": "prepare",
+    "Accelerator.unwrap_model": "unwrap_model",
+    "Accelerator.get_state_dict": "get_state_dict",
+    "Accelerator.register_save_state_pre_hook": "register_save_state_pre_hook",
+    "Accelerator.save_state": "save_state",
+    "Accelerator.load_state": "load_state",
+    "Accelerator.clip_grad_norm_": "clip_grad_norm_",
 }
 
 _lock = threading.RLock()

@@ -1,13 +1,17 @@
 """Wrappers for accelerate.Accelerator methods. Each one leaves accelerate untouched unless the call involves
 models merged by this package."""
 
+import functools
 import logging
+import os
 
 import torch
 
+from . import manifest
+from .gather import add_full_weight_hooks, state_dict_for_saving
 from .merged import MergedModels
 from .plan import MergePlan
-from .proxy import ModelProxy
+from .proxy import ModelProxy, is_proxy
 
 logger = logging.getLogger("accel_ds_fix")
 
@@ -64,6 +68,85 @@ def prepare(wrapped, instance, args, kwargs):
         else:
             handed_back.append(next(remaining))
     engine._accel_ds_fix_proxies = proxies
+    add_full_weight_hooks(plan.models)  # ZeRO-3 only: state_dict() gives full tensors, never shape [0]
     if instance.is_main_process:
         logger.info(description)
     return tuple(handed_back)
+
+
+def merged_engine(accelerator):
+    """The DeepSpeed engine of this accelerator that holds merged models, or None."""
+    return next((m for m in accelerator._models if getattr(m, "_accel_ds_fix_proxies", None)), None)
+
+
+def _first_arg(args, kwargs, name):
+    return args[0] if args else kwargs.get(name)
+
+
+def unwrap_model(wrapped, instance, args, kwargs):
+    """Accelerator.unwrap_model: a proxy unwraps to the user's own model."""
+    model = _first_arg(args, kwargs, "model")
+    return model.__wrapped__ if is_proxy(model) else wrapped(*args, **kwargs)
+
+
+def get_state_dict(wrapped, instance, args, kwargs):
+    """Accelerator.get_state_dict (and save_model, which calls it): that model's own keys, full tensors."""
+    model = _first_arg(args, kwargs, "model")
+    return state_dict_for_saving(model.__wrapped__) if is_proxy(model) else wrapped(*args, **kwargs)
+
+
+def _split_merged(models):
+    split = []
+    for model in models:
+        proxies = getattr(model, "_accel_ds_fix_proxies", None)
+        split.extend(proxies.values() if proxies else [model])
+    return split
+
+
+def register_save_state_pre_hook(wrapped, instance, args, kwargs):
+    """Save hooks see each merged model on its own (diffusers' hooks pick models by class), not the engine."""
+    hook = _first_arg(args, kwargs, "hook")
+
+    @functools.wraps(hook)
+    def hook_with_models_split(models, weights, output_dir):
+        return hook(_split_merged(models), weights, output_dir)
+
+    return wrapped(hook_with_models_split)
+
+
+def save_state(wrapped, instance, args, kwargs):
+    """Accelerator.save_state: DeepSpeed's checkpoint of the merged engine, plus what it holds (manifest)."""
+    engine = merged_engine(instance)
+    location = wrapped(*args, **kwargs)
+    if engine is not None:
+        directory = location if isinstance(location, str) else _first_arg(args, kwargs, "output_dir")
+        if instance.is_main_process:
+            manifest.write(directory, engine.module)
+    return location
+
+
+def load_state(wrapped, instance, args, kwargs):
+    """Accelerator.load_state: refuse a checkpoint of other models before DeepSpeed loads any of it."""
+    engine = merged_engine(instance)
+    if engine is not None:
+        directory = _first_arg(args, kwargs, "input_dir")
+        if directory is None and instance.project_configuration.automatic_checkpoint_naming:
+            directory = manifest.automatic_checkpoint(instance.project_dir)
+        if directory is not None and os.path.isdir(os.path.expanduser(directory)):
+            manifest.check(os.path.expanduser(directory), engine.module)
+    return wrapped(*args, **kwargs)
+
+
+def clip_grad_norm_(wrapped, instance, args, kwargs):
+    """Accelerator.clip_grad_norm_: under DeepSpeed it only reports the norm; say once that the config clips."""
+    if merged_engine(instance) is not None and not getattr(instance, "_accel_ds_fix_clip_said", False):
+        instance._accel_ds_fix_clip_said = True
+        max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
+        configured = instance.deepspeed_config.get("gradient_clipping")
+        log = logger.info if max_norm == configured else logger.warning
+        log(
+            "accelerator.clip_grad_norm_() does not clip under DeepSpeed: the engine clips every step to "
+            f"gradient_clipping={configured} from the DeepSpeed config, so max_norm={max_norm} is not applied "
+            "here. Set gradient_clipping in the DeepSpeed config to change it."
+        )
+    return wrapped(*args, **kwargs)

@@ -108,16 +108,19 @@ def make_accelerator(args):
         offload_optimizer_device=args.offload,
         gradient_accumulation_steps=args.gas,
         gradient_clipping=1.0,
+        zero3_save_16bit_model=True,  # lets --reference export its merged module under ZeRO-3
     )
     return Accelerator(deepspeed_plugin=plugin, mixed_precision=args.mixed_precision)
 
 
 def make_data(args, process_index, num_processes):
+    # Fixed-size draws, then a slice: a run of 3 steps sees the same first batches as a run of 6.
     g = torch.Generator().manual_seed(1234)
     total = (args.first_step + args.steps) * args.batch_size * num_processes
-    ids = torch.randint(0, VOCAB, (total, TOKENS), generator=g)
-    latents = torch.randn(total, LATENT, generator=g)
-    noise = torch.randn(total, LATENT, generator=g)
+    size = max(total, 256)
+    ids = torch.randint(0, VOCAB, (size, TOKENS), generator=g)[:total]
+    latents = torch.randn(size, LATENT, generator=g)[:total]
+    noise = torch.randn(size, LATENT, generator=g)[:total]
     dataset = torch.utils.data.TensorDataset(ids, latents, noise)
     return torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=False)
 
@@ -173,8 +176,9 @@ def main():
     result = {"losses": losses, "fix_active": "accel_ds_fix" in sys.modules}
     if args.save_state:
         accelerator.save_state(args.save_state)
-    if args.export and not args.reference:
-        result["exported"] = export(accelerator, {"tinyunet": unet, "tinytextencoder": text_encoder}, args.export)
+    if args.export:
+        exported = {"merged": merged} if args.reference else {"tinyunet": unet, "tinytextencoder": text_encoder}
+        result["exported"] = export(accelerator, exported, args.export)
     accelerator.wait_for_everyone()
     if args.out and accelerator.is_main_process:
         with open(args.out, "w") as f:
@@ -188,10 +192,11 @@ def export(accelerator, models, directory):
     for name, model in models.items():
         state = accelerator.get_state_dict(model)
         unwrapped = accelerator.unwrap_model(model)
+        unwrapped_state = unwrapped.state_dict()  # every process: a ZeRO-3 gather is collective
         if accelerator.is_main_process:
             os.makedirs(directory, exist_ok=True)
             torch.save(state, os.path.join(directory, f"{name}.get_state_dict.pt"))
-            torch.save(unwrapped.state_dict(), os.path.join(directory, f"{name}.unwrap_model.pt"))
+            torch.save(unwrapped_state, os.path.join(directory, f"{name}.unwrap_model.pt"))
         accelerator.save_model(model, os.path.join(directory, f"{name}.save_model"), safe_serialization=False)
         written[name] = type(unwrapped).__name__
     return written

@@ -193,6 +193,49 @@ def proxy_behaviour(reference):
     }
 
 
+@scenario
+def resume_other_models(reference):
+    acc = accelerator()
+    set_seed(0)
+    unet, other = TinyUNet(), torch.nn.Linear(4, 4)
+    unet, other, opt, dl = acc.prepare(unet, other, torch.optim.AdamW([*unet.parameters(), *other.parameters()]), data())
+    acc.load_state(sys.argv[2])
+
+
+@scenario
+def hooks_and_helpers(reference):
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    acc = accelerator()
+    seen = {}
+
+    def save_hook(models, weights, output_dir):
+        seen["save_hook_models"] = [m.__class__.__name__ for m in models]
+        seen["save_hook_isinstance"] = [isinstance(models[0], TinyUNet), isinstance(models[1], TinyTextEncoder)]
+        seen["save_hook_unwraps"] = [acc.unwrap_model(m) is orig for m, orig in zip(models, originals)]
+
+    def load_hook(models, input_dir):
+        seen["load_hook_models"] = len(models)
+
+    acc.register_save_state_pre_hook(save_hook)
+    acc.register_load_state_pre_hook(load_hook)
+    unet, te, opt = models_and_optimizer()
+    originals = (unet, te)
+    unet, te, opt, dl = acc.prepare(unet, te, opt, data())
+    for ids, latents in dl:
+        acc.backward(torch.nn.functional.mse_loss(unet(latents, te(ids)), latents))
+        norm = acc.clip_grad_norm_([*unet.parameters(), *te.parameters()], 0.5)
+        acc.clip_grad_norm_([*unet.parameters(), *te.parameters()], 0.5)
+        opt.step()
+        opt.zero_grad()
+    acc.save_state(sys.argv[2])
+    acc.load_state(sys.argv[2])
+    seen["grad_norm_is_number"] = isinstance(float(norm), float)
+    returned = acc.free_memory(unet, te, opt)
+    seen["freed"] = {"models": len(acc._models), "engine_wrapped": acc.deepspeed_engine_wrapped,
+                     "returned": list(returned)}
+    return seen
+
+
 if __name__ == "__main__":
     name, reference = sys.argv[1], "--reference" in sys.argv
     result = SCENARIOS[name](reference)

@@ -1,0 +1,46 @@
+"""Full weights from a ZeRO-3 engine, where each parameter outside forward is only a shape-[0] shard.
+
+A state_dict hook on every merged model gathers its parameters whenever ``model.state_dict()`` is called on
+the model itself (``unwrap_model(m).state_dict()``, ``save_pretrained``, ``get_state_dict(m)``), so a script
+never writes empty weights. DeepSpeed's own checkpointing calls ``state_dict()`` on the merged module, which
+reaches each model with a non-empty prefix: those calls are left to DeepSpeed untouched.
+
+Gathering is a collective: with several processes, every process must ask for the state dict together
+(the same rule accelerate states for ``get_state_dict`` under ZeRO-3).
+"""
+
+import torch
+
+
+def _is_partitioned(param):
+    return hasattr(param, "ds_id")
+
+
+def _gather_full_weights(module, state_dict, prefix, local_metadata):
+    if prefix:
+        return None
+    named = [(n, p) for n, p in module.named_parameters(remove_duplicate=False) if n in state_dict]
+    partitioned = list({id(p): p for _, p in named if _is_partitioned(p)}.values())
+    if not partitioned:
+        return None
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        for name, param in named:
+            if _is_partitioned(param):
+                state_dict[name] = param.data.detach().clone()
+    return state_dict
+
+
+def add_full_weight_hooks(models):
+    """Make ``state_dict()`` of each ZeRO-3-partitioned model return full tensors; idempotent."""
+    for model in models:
+        if not getattr(model, "_accel_ds_fix_gathers", False) and any(_is_partitioned(p) for p in model.parameters()):
+            model._register_state_dict_hook(_gather_full_weights)
+            model._accel_ds_fix_gathers = True
+
+
+def state_dict_for_saving(model):
+    """The model's own keys, full tensors, cloned (no views into flat DeepSpeed buffers)."""
+    state = model.state_dict()  # gathered by the hook above under ZeRO-3
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}

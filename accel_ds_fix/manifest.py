@@ -1,0 +1,75 @@
+"""What a merged checkpoint holds, written beside DeepSpeed's files by save_state and checked by load_state
+before anything is loaded: resuming with another set of models fails with the difference, not a partial load."""
+
+import json
+import os
+import re
+
+from .errors import MergeError
+
+FILENAME = "accel_ds_fix.json"
+FORMAT = 1
+
+
+def _shape(param):
+    return list(getattr(param, "ds_shape", None) or param.shape)  # ZeRO-3 keeps the full shape in ds_shape
+
+
+def describe(merged):
+    """{name: {"class": ..., "parameters": {param name: shape}}} of a MergedModels module."""
+    return {
+        name: {
+            "class": type(model).__name__,
+            "parameters": {n: _shape(p) for n, p in model.named_parameters()},
+        }
+        for name, model in merged.models.items()
+    }
+
+
+def write(directory, merged):
+    with open(os.path.join(directory, FILENAME), "w", encoding="utf-8") as f:
+        json.dump({"format": FORMAT, "models": describe(merged)}, f)
+
+
+def _summary(models):
+    return ", ".join(f"{name} ({info['class']})" for name, info in models.items()) or "none"
+
+
+def check(directory, merged):
+    """Raise MergeError unless ``directory`` was saved from a merged engine of the same models."""
+    path = os.path.join(directory, FILENAME)
+    current = describe(merged)
+    if not os.path.exists(path):
+        raise MergeError(
+            f"accel_ds_fix: {directory} has no {FILENAME}, so it was not saved by accelerator.save_state() from "
+            f"models merged by accel_ds_fix. This run merged {_summary(current)}; resume from a checkpoint this "
+            "run's script saved with accel_ds_fix active, or start from exported weights."
+        )
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)["models"]
+    problems = []
+    missing, extra = sorted(set(saved) - set(current)), sorted(set(current) - set(saved))
+    if missing:
+        problems.append(f"not passed to prepare() now: {', '.join(missing)}")
+    if extra:
+        problems.append(f"not in the checkpoint: {', '.join(extra)}")
+    for name in sorted(set(saved) & set(current)):
+        before, now = saved[name]["parameters"], current[name]["parameters"]
+        changed = [n for n in sorted(set(before) | set(now)) if before.get(n) != now.get(n)]
+        if changed:
+            shown = "; ".join(f"{n}: {before.get(n, 'absent')} -> {now.get(n, 'absent')}" for n in changed[:5])
+            problems.append(f"{name} has {len(changed)} parameter(s) of other names or shapes ({shown})")
+    if problems:
+        raise MergeError(
+            f"accel_ds_fix: cannot resume from {directory}: it holds {_summary(saved)}, but this run merged "
+            f"{_summary(current)}. " + ". ".join(problems).capitalize() + ". Nothing was loaded. Pass the same "
+            "models, in the same order, to accelerator.prepare() as the run that saved it."
+        )
+
+
+def automatic_checkpoint(project_dir):
+    """The folder accelerate's load_state(None) picks with automatic checkpoint naming: the highest number."""
+    root = os.path.join(project_dir, "checkpoints")
+    folders = [os.path.join(root, f) for f in os.listdir(root)]
+    folders.sort(key=lambda folder: [int(x) for x in re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", folder)][:1])
+    return folders[-1] if folders else None

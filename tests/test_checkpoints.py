@@ -1,0 +1,76 @@
+"""save_state/load_state resume exactly; every model exports its own full weights, ZeRO-3 included."""
+
+import json
+
+import pytest
+import torch
+
+STAGES = {"zero2": ["--zero-stage", "2"], "zero3": ["--zero-stage", "3"]}
+
+
+@pytest.mark.parametrize("stage", STAGES.values(), ids=STAGES.keys())
+def test_resume_in_new_process_continues_exactly(train, tmp_path, stage):
+    uninterrupted = train(*stage, "--import-fix", "--steps", "6")["losses"]
+    first = train(*stage, "--import-fix", "--steps", "3", "--save-state", tmp_path / "ckpt")["losses"]
+    rest = train(*stage, "--import-fix", "--resume", tmp_path / "ckpt", "--first-step", "3", "--steps", "3")["losses"]
+    assert first == uninterrupted[:3]
+    assert rest == uninterrupted[3:]
+    saved = json.loads((tmp_path / "ckpt" / "accel_ds_fix.json").read_text())
+    assert list(saved["models"]) == ["tinyunet", "tinytextencoder"]
+
+
+def load(path):
+    if path.is_dir():
+        path = path / "pytorch_model.bin"
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@pytest.mark.parametrize("stage", STAGES.values(), ids=STAGES.keys())
+def test_exports_hold_every_trained_weight(train, tmp_path, stage):
+    fixed = train(*stage, "--import-fix", "--export", tmp_path / "fix")
+    reference = train(*stage, "--reference", "--export", tmp_path / "ref")
+    assert fixed["losses"] == reference["losses"]
+    assert fixed["exported"] == {"tinyunet": "TinyUNet", "tinytextencoder": "TinyTextEncoder"}
+    # Ground truth: accelerate's own export of the hand-written merged module (DeepSpeed's consolidation).
+    truth = load(tmp_path / "ref" / "merged.get_state_dict.pt")
+    assert len(truth) == 11  # 6 unet + 5 text encoder tensors
+    for name in ("tinyunet", "tinytextencoder"):
+        expected = {k[len(f"models.{name}.") :]: v for k, v in truth.items() if k.startswith(f"models.{name}.")}
+        for how in ("get_state_dict.pt", "unwrap_model.pt", "save_model"):
+            state = load(tmp_path / "fix" / f"{name}.{how}")
+            assert sorted(state) == sorted(expected), (name, how)
+            for key, value in expected.items():
+                assert state[key].shape == value.shape and value.numel() > 0, (name, how, key)
+                assert torch.equal(state[key].float(), value.float()), (name, how, key)
+
+
+def test_resume_with_other_models_fails_before_loading(train, scenario, tmp_path):
+    train("--zero-stage", "2", "--import-fix", "--steps", "2", "--save-state", tmp_path / "ckpt")
+    proc = scenario("resume_other_models", str(tmp_path / "ckpt"), check=False)
+    assert proc.returncode != 0
+    assert (
+        "cannot resume from " + str(tmp_path / "ckpt") + ": it holds tinyunet (TinyUNet), tinytextencoder "
+        "(TinyTextEncoder), but this run merged tinyunet (TinyUNet), linear (Linear). Not passed to prepare() now: "
+        "tinytextencoder. not in the checkpoint: linear. Nothing was loaded."
+    ) in proc.stderr
+
+
+def test_resume_from_checkpoint_without_manifest_is_refused(train, scenario, tmp_path):
+    train("--zero-stage", "2", "--reference", "--steps", "2", "--save-state", tmp_path / "ckpt")
+    proc = scenario("resume_other_models", str(tmp_path / "ckpt"), check=False)
+    assert proc.returncode != 0
+    assert "has no accel_ds_fix.json, so it was not saved by accelerator.save_state() from models merged" in proc.stderr
+
+
+def test_hooks_clipping_and_free_memory(scenario, tmp_path):
+    proc = scenario("hooks_and_helpers", str(tmp_path / "ckpt"))
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["save_hook_models"] == ["TinyUNet", "TinyTextEncoder"]
+    assert out["save_hook_isinstance"] == [True, True]
+    assert out["save_hook_unwraps"] == [True, True]
+    assert out["load_hook_models"] == 0  # DeepSpeed's checkpoint already restored them, as accelerate does
+    assert out["grad_norm_is_number"] is True
+    assert out["freed"] == {"models": 0, "engine_wrapped": None, "returned": [None, None, None]}
+    warnings = [line for line in proc.stderr.splitlines() if "does not clip under DeepSpeed" in line]
+    assert len(warnings) == 1
+    assert "gradient_clipping=1.0 from the DeepSpeed config, so max_norm=0.5 is not applied" in warnings[0]
