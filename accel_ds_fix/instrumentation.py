@@ -70,6 +70,9 @@ def _apply(module):
 
     versions.warn_if_untested()
     for path, wrapper_name in PATCHED_METHODS.items():
+        class_name, method = path.split(".")
+        if not hasattr(getattr(module, class_name), method):
+            continue  # older accelerate: e.g. no save/load hooks before 0.17, nothing to route
         owner, attribute, original = wrapt.resolve_path(module, path)
         _originals[path] = (owner, attribute, original)
         wrapt.wrap_function_wrapper(module, path, getattr(patches, wrapper_name))

@@ -130,7 +130,8 @@ def load_state(wrapped, instance, args, kwargs):
     engine = merged_engine(instance)
     if engine is not None:
         directory = _first_arg(args, kwargs, "input_dir")
-        if directory is None and instance.project_configuration.automatic_checkpoint_naming:
+        automatic = getattr(getattr(instance, "project_configuration", None), "automatic_checkpoint_naming", False)
+        if directory is None and automatic:
             directory = manifest.automatic_checkpoint(instance.project_dir)
         if directory is not None and os.path.isdir(os.path.expanduser(directory)):
             manifest.check(os.path.expanduser(directory), engine.module)
@@ -142,7 +143,7 @@ def clip_grad_norm_(wrapped, instance, args, kwargs):
     if merged_engine(instance) is not None and not getattr(instance, "_accel_ds_fix_clip_said", False):
         instance._accel_ds_fix_clip_said = True
         max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
-        configured = instance.deepspeed_config.get("gradient_clipping")
+        configured = getattr(instance, "deepspeed_config", {}).get("gradient_clipping")
         log = logger.info if max_norm == configured else logger.warning
         log(
             "accelerator.clip_grad_norm_() does not clip under DeepSpeed: the engine clips every step to "

@@ -1,5 +1,6 @@
 """The accelerate and DeepSpeed versions this package is tested with, checked through package metadata."""
 
+import sys
 import warnings
 from importlib import metadata
 
@@ -7,8 +8,12 @@ from importlib import metadata
 # CI matrix are made from these runs; change them together.
 SUPPORTED = {
     "accelerate": ("0.15.0", "1.15.0"),
-    "deepspeed": ("0.10.0", "0.19.8"),
+    "deepspeed": ("0.14.4", "0.19.8"),
 }
+
+# accelerate before this release puts DeepSpeed on CUDA (or XPU) only: AcceleratorState calls
+# torch.cuda.set_device, which fails on a CPU-only machine before prepare() is ever reached.
+ACCELERATE_DEEPSPEED_ON_CPU = "0.29.0"
 
 
 def _release(version):
@@ -43,8 +48,23 @@ def untested(package, version):
     )
 
 
+def cpu_limit(accelerate_version, cuda_available):
+    """A sentence when this accelerate cannot run DeepSpeed on this machine's devices, else None."""
+    if cuda_available or accelerate_version is None:
+        return None
+    if _release(accelerate_version) >= _release(ACCELERATE_DEEPSPEED_ON_CPU):
+        return None
+    return (
+        f"accelerate {accelerate_version} runs DeepSpeed on CUDA devices only (it calls torch.cuda.set_device), "
+        f"and no CUDA device is available: Accelerator() will fail. On a CPU-only machine use accelerate >= "
+        f"{ACCELERATE_DEEPSPEED_ON_CPU}."
+    )
+
+
 def warn_if_untested():
-    for package in SUPPORTED:
-        message = untested(package, installed_version(package))
-        if message:
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+    messages = [untested(package, installed_version(package)) for package in SUPPORTED]
+    torch = sys.modules.get("torch")  # accelerate imported it already; never import it here
+    if torch is not None:
+        messages.append(cpu_limit(installed_version("accelerate"), torch.cuda.is_available()))
+    for message in filter(None, messages):
+        warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -21,7 +21,7 @@ if "--import-fix-first" in sys.argv:  # activation before accelerate is imported
     import accel_ds_fix  # noqa: F401
 
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin, set_seed
 
 if "--import-fix" in sys.argv:  # activation after accelerate is imported
@@ -99,9 +99,18 @@ def single_process_env():
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 
+def init_gloo():
+    # The CPU has no NCCL, which accelerate before 0.2x asks for under DeepSpeed; a process group that
+    # already exists is taken as it is, by every accelerate version.
+    import deepspeed
+
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo")
+
+
 def make_accelerator(args):
+    init_gloo()
     if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # `accelerate launch --use_deepspeed ...`
-        PartialState(backend="gloo")
         return Accelerator()
     plugin = DeepSpeedPlugin(
         zero_stage=args.zero_stage,

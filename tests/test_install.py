@@ -82,3 +82,21 @@ def test_untested_versions_are_named_with_the_fix():
     assert f"pip install 'accelerate>={low},<={high}'" in message
     assert versions.untested("accelerate", "0.14.9") is not None
     assert versions.untested("deepspeed", "0.19.8+cpu") is None
+
+
+def test_old_accelerate_on_cpu_is_explained():
+    assert versions.cpu_limit("0.28.0", cuda_available=True) is None
+    assert versions.cpu_limit("0.29.0", cuda_available=False) is None
+    message = versions.cpu_limit("0.19.1", cuda_available=False)
+    assert "accelerate 0.19.1 runs DeepSpeed on CUDA devices only" in message
+    assert "use accelerate >= 0.29.0" in message
+
+
+def test_installed_stack_gives_no_version_warning():
+    out = python("""
+        import warnings
+        warnings.simplefilter("error")
+        import accelerate, accel_ds_fix
+        print("quiet")
+    """)
+    assert out == ["quiet"]

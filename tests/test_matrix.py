@@ -1,0 +1,54 @@
+"""The core two-model test against older accelerate/DeepSpeed releases, each in its own venv (.venvs/<point>).
+
+The newest point (accelerate 1.15 + DeepSpeed 0.19.8) is the suite's own .venv. accelerate before 0.29 runs
+DeepSpeed only on CUDA/XPU devices (AcceleratorState calls torch.cuda.set_device), so those releases are
+checked on a GPU by bench/old_accelerate.sh, not here. DeepSpeed before 0.14.4 does not import with torch 2.13
+(torch.distributed.elastic lost `log` and `_get_socket_with_port`).
+"""
+
+import os
+import sys
+import venv
+
+import pytest
+
+from conftest import ROOT, clean_env, run
+
+MATRIX = {
+    # the oldest accelerate whose DeepSpeed path runs on a CPU, with the oldest DeepSpeed that imports here
+    # (transformers 5 wants accelerate >= 1.1 for its DeepSpeed integration, which ZeRO-3 imports)
+    "accelerate-0.29.0-deepspeed-0.14.4": ["accelerate==0.29.0", "deepspeed==0.14.4", "pydantic<2", "transformers==4.44.2"],
+    # the last 0.x accelerate, with the newest DeepSpeed
+    "accelerate-0.34.2-deepspeed-0.19.8": ["accelerate==0.34.2", "deepspeed==0.19.8", "transformers==4.44.2"],
+}
+CORE_TESTS = "zero2] or zero3] or zero2-cpu-offload] or without_fix"
+
+
+def make_venv(path, requirements):
+    marker = path / ".installed"
+    if marker.exists():
+        return path / "bin" / "python"
+    venv.create(path, with_pip=True, clear=True)
+    py = path / "bin" / "python"
+    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    run([*pip, "torch==2.13.0", "setuptools", "wheel"], timeout=900)  # the local CPU build, first
+    # DeepSpeed is an sdist whose setup.py imports torch: build it against this venv's torch.
+    run([*pip, "--no-build-isolation", *requirements, "wrapt>=2", "ninja", "pytest"], timeout=900)
+    run([*pip, "--no-deps", "--no-build-isolation", "-e", ROOT], timeout=300)
+    marker.touch()
+    return py
+
+
+@pytest.mark.parametrize("point", MATRIX, ids=MATRIX)
+def test_core_training_on_older_releases(point):
+    py = make_venv(ROOT / ".venvs" / point, MATRIX[point])
+    accelerate, deepspeed = MATRIX[point][0].split("==")[1], MATRIX[point][1].split("==")[1]
+    probe = "from importlib.metadata import version as v; print(v('accelerate'), v('deepspeed'))"
+    found = run([py, "-c", probe])
+    assert found.stdout.split() == [accelerate, deepspeed]
+    # LOCAL_SIZE: DeepSpeed < 0.15's CPU accelerator otherwise counts NUMA nodes with the numactl program
+    # under ZeRO-3; DeepSpeed's own launcher sets it, `python script.py` does not.
+    env = clean_env(TORCH_EXTENSIONS_DIR=str(ROOT / ".venvs" / point / "torch_extensions"), LOCAL_SIZE="1")
+    proc = run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_training.py", "-k", CORE_TESTS],
+               env=env, timeout=1200)
+    assert "4 passed" in proc.stdout, proc.stdout[-2000:]
