@@ -28,9 +28,13 @@ def _count(params):
     return str(n)
 
 
-def _describe(plan, accelerator):
+def _deepspeed_config(accelerator):
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    stage = plugin.deepspeed_config.get("zero_optimization", {}).get("stage") if plugin else None
+    return plugin.deepspeed_config if plugin else {}
+
+
+def _describe(plan, accelerator):
+    stage = _deepspeed_config(accelerator).get("zero_optimization", {}).get("stage")
     parts = []
     for name, model in zip(plan.names, plan.models):
         params = list(model.parameters())
@@ -46,7 +50,11 @@ def prepare(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
 
     plan = MergePlan(args)
-    plan.check()
+    config = _deepspeed_config(instance)
+    plan.check(
+        offload_device=config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none"),
+        force_cpu_optimizer=config.get("zero_force_ds_cpu_optimizer", True),
+    )
     description = _describe(plan, instance)  # counted before ZeRO-3 partitions the parameters
     merged = MergedModels(plan.models, plan.names)
 

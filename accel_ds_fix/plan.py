@@ -45,7 +45,7 @@ class MergePlan:
     def name_of(self, model):
         return next(name for m, name in zip(self.models, self.names) if m is model)
 
-    def check(self):
+    def check(self, offload_device="none", force_cpu_optimizer=True):
         """Raise MergeError for any input that one merged engine cannot train correctly."""
         prepared = [type(m.__wrapped__ if is_proxy(m) else m).__name__ for m in self.models if _is_prepared(m)]
         if prepared:
@@ -62,6 +62,8 @@ class MergePlan:
             )
         if self.optimizers:
             self._check_optimizer_covered(self.optimizers[0])
+            if offload_device not in (None, "none") and force_cpu_optimizer:
+                _check_offloadable(self.optimizers[0], offload_device)
 
     def _check_optimizer_covered(self, optimizer):
         known = {id(p) for model in self.models for p in model.parameters()}
@@ -75,3 +77,29 @@ class MergePlan:
                 "train parameters of the modules it wraps: pass the model that owns them to the same prepare() "
                 "call, or leave them out of the optimizer."
             )
+
+
+# Optimizers accelerate maps faithfully onto DeepSpeed's CPU optimizers under optimizer offload
+# (accelerate.utils.deepspeed.map_pytorch_optim_to_deepspeed); any other becomes DeepSpeedCPUAdam silently.
+OFFLOADABLE = {"Adam", "AdamW", "Adagrad", "AdamW32bit", "Adam32bit", "Adagrad32bit"}
+
+
+def _check_offloadable(optimizer, device):
+    cls = type(optimizer)
+    if not isinstance(optimizer, torch.optim.Optimizer) or cls.__name__ in OFFLOADABLE:
+        return
+    from_bnb = cls.__module__.startswith("bitsandbytes")
+    if from_bnb and getattr(optimizer, "optim_bits", 32) == 32 and cls.__name__ in ("AdamW", "Adam", "Adagrad"):
+        return
+    why = (
+        "bitsandbytes' 8-bit optimizers run on the GPU only and have no CPU version"
+        if from_bnb
+        else f"DeepSpeed has no CPU version of {cls.__name__}"
+    )
+    raise MergeError(
+        f"accel_ds_fix: the optimizer is {cls.__module__}.{cls.__name__}, but the DeepSpeed config offloads the "
+        f"optimizer to {device}: {why}, and accelerate would silently replace it by DeepSpeedCPUAdam (another "
+        "optimizer than the one asked for). Use torch.optim.AdamW (run as DeepSpeedCPUAdam; for kohya scripts: "
+        "drop --use_8bit_adam), or turn optimizer offload off (offload_optimizer_device: none), or set "
+        "zero_force_ds_cpu_optimizer to false in the DeepSpeed config to run this optimizer itself on the CPU."
+    )

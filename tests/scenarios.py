@@ -127,6 +127,14 @@ def stray_params(reference):
 
 
 @scenario
+def sgd_with_offload(reference):
+    single_process_env()
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, offload_optimizer_device="cpu"))
+    unet, te = TinyUNet(), TinyTextEncoder()
+    acc.prepare(unet, te, torch.optim.SGD([*unet.parameters(), *te.parameters()], lr=0.1), data())
+
+
+@scenario
 def already_prepared(reference):
     acc = accelerator()
     unet, te, opt = models_and_optimizer()

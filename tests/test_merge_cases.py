@@ -34,6 +34,15 @@ def test_optimizer_params_outside_models_are_named(scenario):
     assert "KeyError" not in proc.stderr
 
 
+def test_optimizer_without_cpu_version_under_offload_is_refused(scenario):
+    proc = scenario("sgd_with_offload", check=False)
+    assert proc.returncode != 0
+    assert (
+        "the optimizer is torch.optim.sgd.SGD, but the DeepSpeed config offloads the optimizer to cpu: DeepSpeed "
+        "has no CPU version of SGD, and accelerate would silently replace it by DeepSpeedCPUAdam"
+    ) in proc.stderr
+
+
 def test_preparing_proxies_again_is_refused(scenario):
     proc = scenario("already_prepared", check=False)
     assert proc.returncode != 0
