@@ -11,6 +11,7 @@ the tests can check the fix gives the same losses. Results go to --out as JSON.
 """
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -99,17 +100,24 @@ def single_process_env():
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 
-def init_gloo():
-    # The CPU has no NCCL, which accelerate before 0.2x asks for under DeepSpeed; a process group that
+def init_process_group():
+    # The CPU has no NCCL, which accelerate before 0.30 asks for under DeepSpeed; a process group that
     # already exists is taken as it is, by every accelerate version.
     import deepspeed
 
     if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def accumulate(accelerator, models):
+    # accelerate < 0.19 accumulates one model (scripts of that time pass the unet); later ones take several.
+    if inspect.signature(accelerator.accumulate).parameters.get("models"):
+        return accelerator.accumulate(*models)
+    return accelerator.accumulate(models[0])
 
 
 def make_accelerator(args):
-    init_gloo()
+    init_process_group()
     if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # `accelerate launch --use_deepspeed ...`
         return Accelerator()
     plugin = DeepSpeedPlugin(
@@ -172,7 +180,7 @@ def main():
     for step, (ids, latents, noise) in enumerate(dataloader):
         if step < args.first_step:
             continue
-        with accelerator.accumulate(*step_models):
+        with accumulate(accelerator, step_models):
             pred = forward(ids, latents + noise)
             loss = torch.nn.functional.mse_loss(pred.float(), noise.float())
             accelerator.backward(loss)
