@@ -11,7 +11,10 @@ for wheel in "$1"/accelerate-*.whl; do
     target=/tmp/accelerate-$version
     python3 -m pip install -q --no-deps --no-index --target "$target" "$wheel" || exit 1
     run() { PYTHONPATH="$target:${PYTHONPATH:-}" python3 examples/train_two_models.py --zero-stage 2 "$@"; }
-    without=$(run 2>&1 | grep -m1 -oE "(AssertionError|KeyError): .{0,90}" | head -c 120)
+    run >"/tmp/nofix-$version.log" 2>&1 && ran=yes || ran=no
+    without=$(grep -E "^(\[rank0\]: )?[A-Za-z]*Error" "/tmp/nofix-$version.log" | tail -1 | sed 's/^\[rank0\]: //' | head -c 160)
+    [ "$ran" = yes ] && without="it ran"
+    [ -n "${LOGDIR:-}" ] && cp "/tmp/nofix-$version.log" "$LOGDIR/nofix-$version.log"
     run --import-fix --out "/tmp/fix-$version.json" >"/tmp/fix-$version.log" 2>&1
     run --reference --out "/tmp/ref-$version.json" >"/tmp/ref-$version.log" 2>&1
     verdict=$(python3 - "$version" <<'PY'
