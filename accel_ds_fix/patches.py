@@ -43,6 +43,15 @@ def _describe(plan, accelerator):
     return f"merged {len(plan.models)} models into one DeepSpeed engine (ZeRO stage {stage}): " + ", ".join(parts)
 
 
+def _release_init_blocks(engine):
+    # ZeRO copies every fp16 parameter into one flat buffer and frees the originals; the caching allocator
+    # keeps those freed blocks reserved for the whole training (about the model's fp16 size), which is what
+    # pushes a 6 GB card over. Hand them back once, right after the engine is built.
+    device = getattr(engine, "device", None)
+    if torch.cuda.is_available() and getattr(device, "type", device) == "cuda":
+        torch.cuda.empty_cache()
+
+
 def prepare(wrapped, instance, args, kwargs):
     """Accelerator.prepare: merge 2+ models into one module before DeepSpeed sees them."""
     models = [obj for obj in args if isinstance(obj, torch.nn.Module)]
@@ -76,6 +85,7 @@ def prepare(wrapped, instance, args, kwargs):
         else:
             handed_back.append(next(remaining))
     engine._accel_ds_fix_proxies = proxies
+    _release_init_blocks(engine)
     add_full_weight_hooks(plan.models)  # ZeRO-3 only: state_dict() gives full tensors, never shape [0]
     if instance.is_main_process:
         logger.info(description)
