@@ -43,6 +43,21 @@ def _describe(plan, accelerator):
     return f"merged {len(plan.models)} models into one DeepSpeed engine (ZeRO stage {stage}): " + ", ".join(parts)
 
 
+def _say_if_half_precision_weights(plan):
+    # kohya's --full_fp16 casts the trained models to fp16 before prepare() and then patches
+    # accelerator.scaler, which is None under DeepSpeed. DeepSpeed's own fp16/bf16 mode already keeps fp32
+    # master weights, so the cast buys nothing here.
+    half = [n for n, m in zip(plan.names, plan.models)
+            if any(p.requires_grad and p.dtype in (torch.float16, torch.bfloat16) for p in m.parameters())]
+    if half:
+        logger.warning(
+            f"trainable weights of {', '.join(half)} are already in half precision. Under DeepSpeed, train fp32 "
+            "weights with mixed_precision fp16/bf16: DeepSpeed keeps fp32 master weights itself. kohya's "
+            "--full_fp16 (and --full_bf16) cast the models and patch accelerator.scaler, which is None under "
+            "DeepSpeed (AttributeError): drop those flags."
+        )
+
+
 def _release_init_blocks(engine):
     # ZeRO copies every fp16 parameter into one flat buffer and frees the originals; the caching allocator
     # keeps those freed blocks reserved for the whole training (about the model's fp16 size), which is what
@@ -64,6 +79,7 @@ def prepare(wrapped, instance, args, kwargs):
         offload_device=config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none"),
         force_cpu_optimizer=config.get("zero_force_ds_cpu_optimizer", True),
     )
+    _say_if_half_precision_weights(plan)
     description = _describe(plan, instance)  # counted before ZeRO-3 partitions the parameters
     merged = MergedModels(plan.models, plan.names)
 

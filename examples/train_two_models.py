@@ -117,9 +117,15 @@ def accumulate(accelerator, models):
 
 
 def make_accelerator(args):
-    init_process_group()
     if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # `accelerate launch --use_deepspeed ...`
+        try:
+            from accelerate import PartialState  # accelerate >= 0.17; it must see the launcher's world size
+        except ImportError:
+            init_process_group()
+        else:
+            PartialState(backend="nccl" if torch.cuda.is_available() else "gloo")
         return Accelerator()
+    init_process_group()
     plugin = DeepSpeedPlugin(
         zero_stage=args.zero_stage,
         offload_optimizer_device=args.offload,

@@ -135,6 +135,17 @@ def sgd_with_offload(reference):
 
 
 @scenario
+def half_precision_weights(reference):
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="LOG %(name)s %(levelname)s %(message)s")
+    single_process_env()
+    acc = Accelerator(mixed_precision="bf16", deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))
+    unet, te, opt = models_and_optimizer()
+    unet.to(torch.bfloat16)
+    unet, te, opt, dl = acc.prepare(unet, te, opt, data())
+    return {"scaler": repr(acc.scaler)}
+
+
+@scenario
 def already_prepared(reference):
     acc = accelerator()
     unet, te, opt = models_and_optimizer()

@@ -43,6 +43,18 @@ def test_optimizer_without_cpu_version_under_offload_is_refused(scenario):
     ) in proc.stderr
 
 
+def test_half_precision_weights_are_explained(scenario):
+    proc = scenario("half_precision_weights")
+    assert result(proc) == {"scaler": "None"}  # what kohya's --full_fp16 patch would dereference
+    warnings = [line for line in proc.stderr.splitlines() if "already in half precision" in line]
+    assert warnings == [
+        "LOG accel_ds_fix WARNING trainable weights of tinyunet are already in half precision. Under DeepSpeed, "
+        "train fp32 weights with mixed_precision fp16/bf16: DeepSpeed keeps fp32 master weights itself. kohya's "
+        "--full_fp16 (and --full_bf16) cast the models and patch accelerator.scaler, which is None under "
+        "DeepSpeed (AttributeError): drop those flags."
+    ]
+
+
 def test_preparing_proxies_again_is_refused(scenario):
     proc = scenario("already_prepared", check=False)
     assert proc.returncode != 0
