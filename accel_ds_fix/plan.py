@@ -79,18 +79,27 @@ class MergePlan:
             )
 
 
-# Optimizers accelerate maps faithfully onto DeepSpeed's CPU optimizers under optimizer offload
-# (accelerate.utils.deepspeed.map_pytorch_optim_to_deepspeed); any other becomes DeepSpeedCPUAdam silently.
-OFFLOADABLE = {"Adam", "AdamW", "Adagrad", "AdamW32bit", "Adam32bit", "Adagrad32bit"}
+# Under optimizer offload accelerate (utils.deepspeed.map_pytorch_optim_to_deepspeed) keeps the algorithm only
+# for torch's Adam/AdamW/Adagrad and bitsandbytes' 32-bit AdamW/Adagrad (bitsandbytes' Adam maps to Adam, too);
+# any other optimizer becomes DeepSpeedCPUAdam silently.
+BNB_32BIT_OFFLOADABLE = {"Adam", "Adam32bit", "AdamW", "AdamW32bit", "Adagrad", "Adagrad32bit"}
+
+
+def _offload_keeps(optimizer):
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)):
+        return True
+    cls = type(optimizer)
+    if not cls.__module__.startswith("bitsandbytes"):
+        return False
+    bits = getattr(optimizer, "optim_bits", None) or getattr(getattr(optimizer, "args", None), "optim_bits", None)
+    return bits == 32 and cls.__name__ in BNB_32BIT_OFFLOADABLE
 
 
 def _check_offloadable(optimizer, device):
+    if not isinstance(optimizer, torch.optim.Optimizer) or _offload_keeps(optimizer):
+        return
     cls = type(optimizer)
-    if not isinstance(optimizer, torch.optim.Optimizer) or cls.__name__ in OFFLOADABLE:
-        return
     from_bnb = cls.__module__.startswith("bitsandbytes")
-    if from_bnb and getattr(optimizer, "optim_bits", 32) == 32 and cls.__name__ in ("AdamW", "Adam", "Adagrad"):
-        return
     why = (
         "bitsandbytes' 8-bit optimizers run on the GPU only and have no CPU version"
         if from_bnb

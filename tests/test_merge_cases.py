@@ -96,3 +96,23 @@ def test_proxy_behaves_like_the_model(scenario):
         "LOG accel_ds_fix merged 2 models into one DeepSpeed engine (ZeRO stage 2): "
         "tinyunet (TinyUNet, 552 params, 552 trainable), tinytextencoder (TinyTextEncoder, 816 params, 816 trainable)"
     ]
+
+
+def test_offload_check_goes_by_the_optimizer_class_not_its_name():
+    # accelerate keeps the algorithm only for torch's own classes: a look-alike named AdamW (as
+    # transformers.AdamW was) would run as DeepSpeedCPUAdam in Adam mode, so it is refused.
+    import torch
+
+    from accel_ds_fix.errors import MergeError
+    from accel_ds_fix.plan import _check_offloadable
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+
+    class AdamW(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+    for kept in (torch.optim.AdamW(params), torch.optim.Adam(params), torch.optim.Adagrad(params)):
+        _check_offloadable(kept, "cpu")
+    with pytest.raises(MergeError, match=r"the optimizer is test_merge_cases.AdamW, but the DeepSpeed config offloads"):
+        _check_offloadable(AdamW(params), "cpu")
