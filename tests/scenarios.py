@@ -85,19 +85,19 @@ def two_model_run(reference, extra=None, share=False):
     if reference:
         kw = {"tinyunet": unet, "tinytextencoder": te, **({"scale": extra} if extra else {})}
         merged, opt, dl = acc.prepare(Together(**kw), opt, dl)
-        return acc, train(acc, merged, opt, dl, (merged,)), None
+        return train(acc, merged, opt, dl, (merged,)), None
     if extra is None:
         unet, te, opt, dl = acc.prepare(unet, te, opt, dl)
         step = lambda ids, lat: unet(lat, te(ids))  # noqa: E731
     else:
         unet, te, extra, opt, dl = acc.prepare(unet, te, extra, opt, dl)
         step = lambda ids, lat: extra(unet(lat, te(ids)))  # noqa: E731
-    return acc, train(acc, step, opt, dl, (unet, te)), (unet, te)
+    return train(acc, step, opt, dl, (unet, te)), (unet, te)
 
 
 @scenario
 def shared_params(reference):
-    acc, losses, models = two_model_run(reference, share=True)
+    losses, models = two_model_run(reference, share=True)
     result = {"losses": losses}
     if models:
         unet, te = models
@@ -107,7 +107,7 @@ def shared_params(reference):
 
 @scenario
 def paramless_model(reference):
-    acc, losses, models = two_model_run(reference, extra=Scale())
+    losses, _ = two_model_run(reference, extra=Scale())
     return {"losses": losses}
 
 
