@@ -1,31 +1,35 @@
-"""install() / uninstall(): put the wrappers of patches.py on accelerate.Accelerator and take them off again.
+"""install() / uninstall(): put the wrappers on accelerate (and one on DeepSpeed) and take them off again.
 
-accelerate may be imported before or after this package: a wrapt post-import hook applies the patches the
-moment ``accelerate.accelerator`` is (or already was) imported.
+accelerate and DeepSpeed may be imported before or after this package: a wrapt post-import hook applies the
+patches the moment each target module is (or already was) imported.
 """
 
+import importlib
 import sys
 import threading
 
 import wrapt
 
-TARGET_MODULE = "accelerate.accelerator"
-
-# attribute path inside accelerate.accelerator -> name of the wrapper in accel_ds_fix.patches
-PATCHED_METHODS = {
-    "Accelerator.prepare": "prepare",
-    "Accelerator.unwrap_model": "unwrap_model",
-    "Accelerator.get_state_dict": "get_state_dict",
-    "Accelerator.register_save_state_pre_hook": "register_save_state_pre_hook",
-    "Accelerator.save_state": "save_state",
-    "Accelerator.load_state": "load_state",
-    "Accelerator.clip_grad_norm_": "clip_grad_norm_",
+# module -> {attribute path inside it: "wrapper module.wrapper name" inside accel_ds_fix}
+PATCHES = {
+    "accelerate.accelerator": {
+        "Accelerator.prepare": "patches.prepare",
+        "Accelerator.unwrap_model": "patches.unwrap_model",
+        "Accelerator.get_state_dict": "patches.get_state_dict",
+        "Accelerator.register_save_state_pre_hook": "patches.register_save_state_pre_hook",
+        "Accelerator.save_state": "patches.save_state",
+        "Accelerator.load_state": "patches.load_state",
+        "Accelerator.clip_grad_norm_": "patches.clip_grad_norm_",
+    },
+    "deepspeed.runtime.zero.stage_1_and_2": {
+        "DeepSpeedZeroOptimizer._update_model_bit16_weights": "zero_memory.release_after_flatten",
+    },
 }
 
 _lock = threading.RLock()
 _installed = False
-_hook_registered = False
-_originals = {}  # attribute path -> (owner, attribute, original object)
+_hooks_registered = False
+_originals = {}  # (module, attribute path) -> (owner, attribute, original object)
 
 
 def is_installed():
@@ -33,22 +37,23 @@ def is_installed():
 
 
 def install():
-    """Activate the fix. Idempotent; safe before accelerate is imported."""
-    global _installed, _hook_registered
+    """Activate the fix. Idempotent; safe before accelerate or DeepSpeed is imported."""
+    global _installed, _hooks_registered
     with _lock:
         if _installed:
             return
         _installed = True
-        if not _hook_registered:
-            _hook_registered = True
-            # Runs at once if accelerate.accelerator is already imported, else right after its import.
-            wrapt.register_post_import_hook(_on_accelerate_import, TARGET_MODULE)
-        elif TARGET_MODULE in sys.modules:
-            _apply(sys.modules[TARGET_MODULE])
+        for target in PATCHES:
+            if not _hooks_registered:
+                # Runs at once if the module is already imported, else right after its import.
+                wrapt.register_post_import_hook(_on_import, target)
+            elif target in sys.modules:
+                _apply(sys.modules[target])
+        _hooks_registered = True
 
 
 def uninstall():
-    """Restore accelerate's own methods. Idempotent. Objects already prepared keep working."""
+    """Restore the original methods. Idempotent. Objects already prepared keep working."""
     global _installed
     with _lock:
         _installed = False
@@ -57,22 +62,26 @@ def uninstall():
         _originals.clear()
 
 
-def _on_accelerate_import(module):
+def _on_import(module):
     with _lock:
         if _installed:  # wrapt cannot unregister a hook; an uninstalled one does nothing
             _apply(module)
 
 
 def _apply(module):
-    if _originals:
+    target = module.__name__
+    if any(key[0] == target for key in _originals):
         return
-    from . import patches, versions
+    if target == "accelerate.accelerator":
+        from . import versions
 
-    versions.warn_if_untested()
-    for path, wrapper_name in PATCHED_METHODS.items():
+        versions.warn_if_untested()
+    for path, wrapper in PATCHES[target].items():
         class_name, method = path.split(".")
-        if not hasattr(getattr(module, class_name), method):
+        if not hasattr(getattr(module, class_name, None), method):
             continue  # older accelerate: e.g. no save/load hooks before 0.17, nothing to route
         owner, attribute, original = wrapt.resolve_path(module, path)
-        _originals[path] = (owner, attribute, original)
-        wrapt.wrap_function_wrapper(module, path, getattr(patches, wrapper_name))
+        _originals[(target, path)] = (owner, attribute, original)
+        wrapper_module, wrapper_name = wrapper.split(".")
+        function = getattr(importlib.import_module(f"{__package__}.{wrapper_module}"), wrapper_name)
+        wrapt.wrap_function_wrapper(module, path, function)

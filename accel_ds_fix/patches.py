@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from . import manifest
+from . import manifest, zero_memory
 from .gather import add_full_weight_hooks, state_dict_for_saving
 from .merged import MergedModels
 from .plan import MergePlan
@@ -58,15 +58,6 @@ def _say_if_half_precision_weights(plan):
         )
 
 
-def _release_init_blocks(engine):
-    # ZeRO copies every fp16 parameter into one flat buffer and frees the originals; the caching allocator
-    # keeps those freed blocks reserved for the whole training (about the model's fp16 size), which is what
-    # pushes a 6 GB card over. Hand them back once, right after the engine is built.
-    device = getattr(engine, "device", None)
-    if torch.cuda.is_available() and getattr(device, "type", device) == "cuda":
-        torch.cuda.empty_cache()
-
-
 def prepare(wrapped, instance, args, kwargs):
     """Accelerator.prepare: merge 2+ models into one module before DeepSpeed sees them."""
     models = [obj for obj in args if isinstance(obj, torch.nn.Module)]
@@ -86,7 +77,8 @@ def prepare(wrapped, instance, args, kwargs):
     # The merged module takes the first model's place; the other models leave the call.
     first = plan.positions[0]
     inner_args = [merged if i == first else obj for i, obj in enumerate(args) if i == first or i not in plan.positions]
-    result = wrapped(*inner_args, **kwargs)
+    with zero_memory.building_engine():
+        result = wrapped(*inner_args, **kwargs)
     result = list(result) if isinstance(result, (tuple, list)) else [result]
     engine = result[first]
 
@@ -101,7 +93,8 @@ def prepare(wrapped, instance, args, kwargs):
         else:
             handed_back.append(next(remaining))
     engine._accel_ds_fix_proxies = proxies
-    _release_init_blocks(engine)
+    # The partition clone ZeRO made on the GPU is freed by now; give its block back too.
+    zero_memory.release_cached_blocks(getattr(engine, "device", None))
     add_full_weight_hooks(plan.models)  # ZeRO-3 only: state_dict() gives full tensors, never shape [0]
     if instance.is_main_process:
         logger.info(description)

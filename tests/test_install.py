@@ -48,6 +48,22 @@ def test_install_and_uninstall_are_idempotent_and_reversible():
     assert out == ["True", "True", "False", "True"]
 
 
+def test_deepspeed_zero_hook_follows_install_and_uninstall():
+    # ZeRO-1/2's flattening step is wrapped too (zero_memory.py), whichever of the two is imported first.
+    out = python("""
+        import accel_ds_fix, wrapt
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Z
+        method = lambda: Z.__dict__["_update_model_bit16_weights"]
+        print(isinstance(method(), wrapt.FunctionWrapper))
+        original = method().__wrapped__
+        accel_ds_fix.uninstall()
+        print(method() is original)
+        accel_ds_fix.install(); accel_ds_fix.install()
+        print(method().__wrapped__ is original)
+    """)
+    assert out[-3:] == ["True", "True", "True"]  # DeepSpeed logs its accelerator to stdout first
+
+
 def test_uninstall_before_accelerate_import_leaves_it_alone():
     out = python("""
         import accel_ds_fix
