@@ -22,10 +22,22 @@ def clean_env(**extra):
     return env
 
 
+# Seen once in ~50 runs of a fresh CI clone on 2 cores: a child that had trained and written its results
+# died in torch's process-group teardown with this C++ abort. It says nothing about the results, but a
+# result from such a run is not taken either: the run is made again, once, and that one must exit cleanly.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def run(cmd, env=None, timeout=600, check=True):
-    proc = subprocess.run(
-        [str(c) for c in cmd], env=env or clean_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT
-    )
+    def once():
+        return subprocess.run(
+            [str(c) for c in cmd], env=env or clean_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        )
+
+    proc = once()
+    if proc.returncode == -6 and TEARDOWN_ABORT in proc.stderr[-500:]:
+        print(f"{cmd}: aborted in teardown, running it again", file=sys.stderr)
+        proc = once()
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
