@@ -1,11 +1,11 @@
 """Keep the GPU memory ZeRO-1/2 frees while it builds the engine from staying reserved.
 
 ZeRO copies every fp16 parameter into one flat buffer and frees the per-parameter blocks; DeepSpeed 0.19.8
-then clones that buffer on the GPU on its way to the CPU master weights (0.14.4 moved it to the CPU first). The caching allocator cannot fit the
-clone into the freed (per-parameter sized) blocks, so it reserves a third copy of the model: 5.54 GiB reserved
-for a 3.69 GiB peak with SD1.5 (docs/gpu.md). Handing the freed blocks back right after the flattening keeps
-reserved memory at what is in use. Only while the fix's own prepare() builds an engine: empty_cache() in a step
-would slow training.
+then clones that buffer on the GPU on its way to the CPU master weights (0.14.4 moved it to the CPU first).
+The caching allocator cannot fit the clone into the freed (per-parameter sized) blocks, so it reserves a third
+copy of the model: 5.54 GiB reserved for a 3.69 GiB peak with SD1.5 (docs/gpu.md). Handing the freed blocks
+back right after the flattening keeps reserved memory at what is in use (3.70 GiB). Only while the fix's own
+prepare() builds an engine: empty_cache() in every step would slow training.
 """
 
 import contextlib
