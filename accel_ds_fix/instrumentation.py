@@ -79,7 +79,7 @@ def _apply(module):
     for path, wrapper in PATCHES[target].items():
         class_name, method = path.split(".")
         if not hasattr(getattr(module, class_name, None), method):
-            continue  # older accelerate: e.g. no save/load hooks before 0.17, nothing to route
+            continue  # e.g. accelerate < 0.17 has no save/load hooks; another DeepSpeed may lack the ZeRO method
         owner, attribute, original = wrapt.resolve_path(module, path)
         _originals[(target, path)] = (owner, attribute, original)
         wrapper_module, wrapper_name = wrapper.split(".")

@@ -33,8 +33,7 @@ def _deepspeed_config(accelerator):
     return plugin.deepspeed_config if plugin else {}
 
 
-def _describe(plan, accelerator):
-    stage = _deepspeed_config(accelerator).get("zero_optimization", {}).get("stage")
+def _describe(plan, stage):
     parts = []
     for name, model in zip(plan.names, plan.models):
         params = list(model.parameters())
@@ -66,12 +65,13 @@ def prepare(wrapped, instance, args, kwargs):
 
     plan = MergePlan(args)
     config = _deepspeed_config(instance)
+    zero = config.get("zero_optimization", {})
     plan.check(
-        offload_device=config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none"),
+        offload_device=zero.get("offload_optimizer", {}).get("device", "none"),
         force_cpu_optimizer=config.get("zero_force_ds_cpu_optimizer", True),
     )
     _say_if_half_precision_weights(plan)
-    description = _describe(plan, instance)  # counted before ZeRO-3 partitions the parameters
+    description = _describe(plan, zero.get("stage"))  # counted before ZeRO-3 partitions the parameters
     merged = MergedModels(plan.models, plan.names)
 
     # The merged module takes the first model's place; the other models leave the call.
@@ -93,7 +93,7 @@ def prepare(wrapped, instance, args, kwargs):
         else:
             handed_back.append(next(remaining))
     engine._accel_ds_fix_proxies = proxies
-    # The partition clone ZeRO made on the GPU is freed by now; give its block back too.
+    # What construction freed after the hook's last release (ZeRO-2's partition clone, ZeRO-3's gathers) goes back too.
     zero_memory.release_cached_blocks(getattr(engine, "device", None))
     add_full_weight_hooks(plan.models)  # ZeRO-3 only: state_dict() gives full tensors, never shape [0]
     if instance.is_main_process:
@@ -170,7 +170,7 @@ def clip_grad_norm_(wrapped, instance, args, kwargs):
     if merged_engine(instance) is not None and not getattr(instance, "_accel_ds_fix_clip_said", False):
         instance._accel_ds_fix_clip_said = True
         max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
-        configured = getattr(instance, "deepspeed_config", {}).get("gradient_clipping")
+        configured = _deepspeed_config(instance).get("gradient_clipping")
         log = logger.info if max_norm == configured else logger.warning
         log(
             "accelerator.clip_grad_norm_() does not clip under DeepSpeed: the engine clips every step to "

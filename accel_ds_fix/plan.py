@@ -85,11 +85,15 @@ class MergePlan:
 BNB_32BIT_OFFLOADABLE = {"Adam", "Adam32bit", "AdamW", "AdamW32bit", "Adagrad", "Adagrad32bit"}
 
 
+def _from_bitsandbytes(cls):
+    return cls.__module__.startswith("bitsandbytes")
+
+
 def _offload_keeps(optimizer):
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)):
         return True
     cls = type(optimizer)
-    if not cls.__module__.startswith("bitsandbytes"):
+    if not _from_bitsandbytes(cls):
         return False
     bits = getattr(optimizer, "optim_bits", None) or getattr(getattr(optimizer, "args", None), "optim_bits", None)
     return bits == 32 and cls.__name__ in BNB_32BIT_OFFLOADABLE
@@ -99,10 +103,9 @@ def _check_offloadable(optimizer, device):
     if not isinstance(optimizer, torch.optim.Optimizer) or _offload_keeps(optimizer):
         return
     cls = type(optimizer)
-    from_bnb = cls.__module__.startswith("bitsandbytes")
     why = (
         "bitsandbytes' 8-bit optimizers run on the GPU only and have no CPU version"
-        if from_bnb
+        if _from_bitsandbytes(cls)
         else f"DeepSpeed has no CPU version of {cls.__name__}"
     )
     raise MergeError(
