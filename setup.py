@@ -20,8 +20,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def pth_line():
     with open(os.path.join(HERE, "accel_ds_fix", "pth_file.py"), encoding="utf-8") as f:
         code = "".join(line for line in f if line.strip() and not line.lstrip().startswith("#"))
-    # site.py executes .pth lines that start with "import"; everything must fit on that one line.
-    return f"import os; exec({code!r})\n"
+    # site.py executes .pth lines that start with "import"; everything must fit on that one line. A namespace
+    # of its own, so that the finder class's methods see the module-level names of that code.
+    return f"import os; exec({code!r}, {{'__name__': 'accel_ds_fix_pth'}})\n"
 
 
 class BuildPyWithPth(build_py):

@@ -1,12 +1,14 @@
 """Train several models with one optimizer through accelerate + DeepSpeed.
 
 Importing this package activates the fix (see ``install()``); ``ACCEL_DS_FIX=1`` in the environment does the
-same in every Python process, through the ``accel_ds_fix.pth`` file installed with the package.
+same in every Python process that imports accelerate or DeepSpeed, through the ``accel_ds_fix.pth`` file
+installed with the package. ``python -m accel_ds_fix`` reports whether it is active; ``python -m accel_ds_fix
+plan`` says which DeepSpeed config fits a machine.
 """
 
 from .instrumentation import install, is_installed, uninstall
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["install", "uninstall", "is_installed", "unwrap", "__version__"]
 
 

@@ -1,8 +1,13 @@
-"""The one exception type this package raises for inputs it cannot merge safely."""
+"""The exception types this package raises. Every message names the problem and how to fix it."""
 
 
 class MergeError(ValueError):
-    """A ``prepare()`` call whose models cannot be merged into one DeepSpeed engine.
+    """A ``prepare()`` call whose models cannot be merged into one DeepSpeed engine."""
 
-    The message always names the problem and how to fix it.
-    """
+
+class ConfigError(ValueError):
+    """A DeepSpeed or accelerate configuration that cannot work as given."""
+
+
+class MemoryPlanError(MemoryError):
+    """A training that cannot fit the machine's GPU or host memory with the DeepSpeed config given."""

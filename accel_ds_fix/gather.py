@@ -12,22 +12,35 @@ Gathering is a collective: with several processes, every process must ask for th
 import torch
 
 
-def _is_partitioned(param):
+def is_partitioned(param):
     return hasattr(param, "ds_id")
+
+
+def shards(params):
+    """The partitioned parameters that are shards now (not gathered already by an outer GatheredParameters,
+    whose own exit must be the one to partition them again)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return [p for p in params if is_partitioned(p) and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+
+
+def full_numel(param):
+    """The parameter's full number of elements, also when ZeRO-3 holds only a shard of it here."""
+    return param.ds_numel if is_partitioned(param) else param.numel()
 
 
 def _gather_full_weights(module, state_dict, prefix, local_metadata):
     if prefix:
         return None
     named = [(n, p) for n, p in module.named_parameters(remove_duplicate=False) if n in state_dict]
-    partitioned = list({id(p): p for _, p in named if _is_partitioned(p)}.values())
+    partitioned = list({id(p): p for _, p in named if is_partitioned(p)}.values())
     if not partitioned:
         return None
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+    with deepspeed.zero.GatheredParameters(shards(partitioned), modifier_rank=None):
         for name, param in named:
-            if _is_partitioned(param):
+            if is_partitioned(param):
                 state_dict[name] = param.data.detach().clone()
     return state_dict
 
@@ -35,7 +48,7 @@ def _gather_full_weights(module, state_dict, prefix, local_metadata):
 def add_full_weight_hooks(models):
     """Make ``state_dict()`` of each ZeRO-3-partitioned model return full tensors; idempotent."""
     for model in models:
-        if not getattr(model, "_accel_ds_fix_gathers", False) and any(_is_partitioned(p) for p in model.parameters()):
+        if not getattr(model, "_accel_ds_fix_gathers", False) and any(is_partitioned(p) for p in model.parameters()):
             model._register_state_dict_hook(_gather_full_weights)
             model._accel_ds_fix_gathers = True
 
@@ -44,3 +57,15 @@ def state_dict_for_saving(model):
     """The model's own keys, full tensors, cloned (no views into flat DeepSpeed buffers)."""
     state = model.state_dict()  # gathered by the hook above under ZeRO-3
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def load_full_weights(model, state_dict, *args, **kwargs):
+    """``model.load_state_dict`` that also writes into ZeRO-3 shards: the parameters it names are gathered,
+    written on the first process and partitioned again (a collective, like the gather for saving)."""
+    partitioned = shards(p for n, p in model.named_parameters() if n in state_dict)
+    if not partitioned:
+        return model.load_state_dict(state_dict, *args, **kwargs)
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0):
+        return model.load_state_dict(state_dict, *args, **kwargs)

@@ -1,4 +1,4 @@
-"""install() / uninstall(): put the wrappers on accelerate (and one on DeepSpeed) and take them off again.
+"""install() / uninstall(): put the wrappers on accelerate and DeepSpeed and take them off again.
 
 accelerate and DeepSpeed may be imported before or after this package: a wrapt post-import hook applies the
 patches the moment each target module is (or already was) imported.
@@ -10,19 +10,31 @@ import threading
 
 import wrapt
 
-# module -> {attribute path inside it: "wrapper module.wrapper name" inside accel_ds_fix}
+# module -> {attribute path inside it ("function" or "Class.method"): "wrapper module.wrapper name"}
 PATCHES = {
     "accelerate.accelerator": {
-        "Accelerator.prepare": "patches.prepare",
-        "Accelerator.unwrap_model": "patches.unwrap_model",
-        "Accelerator.get_state_dict": "patches.get_state_dict",
-        "Accelerator.register_save_state_pre_hook": "patches.register_save_state_pre_hook",
-        "Accelerator.save_state": "patches.save_state",
-        "Accelerator.load_state": "patches.load_state",
-        "Accelerator.clip_grad_norm_": "patches.clip_grad_norm_",
+        "Accelerator.prepare": "merging.prepare",
+        "Accelerator.backward": "trainability.backward",
+        "Accelerator.clip_grad_norm_": "clipping.clip_grad_norm_",
+        "Accelerator.unwrap_model": "exports.unwrap_model",
+        "Accelerator.get_state_dict": "exports.get_state_dict",
+        "Accelerator.save_state": "checkpointing.save_state",
+        "Accelerator.load_state": "checkpointing.load_state",
+        "Accelerator.end_training": "lifecycle.end_training",
+    },
+    # `accelerate launch` (the launcher process): a relative deepspeed_config_file of a YAML config
+    "accelerate.commands.launch": {
+        "_validate_launch_command": "launch_config.resolve_config_file_paths",
+    },
+    # every process that builds a DeepSpeedPlugin: a config file that is not there
+    "accelerate.utils.dataclasses": {
+        "DeepSpeedPlugin.__post_init__": "launch_config.check_config_file",
     },
     "deepspeed.runtime.zero.stage_1_and_2": {
         "DeepSpeedZeroOptimizer._update_model_bit16_weights": "zero_memory.release_after_flatten",
+    },
+    "deepspeed.ops.op_builder.builder": {
+        "OpBuilder.jit_load": "op_builds.announce_first_build",
     },
 }
 
@@ -53,7 +65,7 @@ def install():
 
 
 def uninstall():
-    """Restore the original methods. Idempotent. Objects already prepared keep working."""
+    """Restore the original functions. Idempotent. Objects already prepared keep working."""
     global _installed
     with _lock:
         _installed = False
@@ -68,6 +80,15 @@ def _on_import(module):
             _apply(module)
 
 
+def _exists(module, path):
+    owner = module
+    for part in path.split("."):
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return False
+    return True
+
+
 def _apply(module):
     target = module.__name__
     if any(key[0] == target for key in _originals):
@@ -77,9 +98,8 @@ def _apply(module):
 
         versions.warn_if_untested()
     for path, wrapper in PATCHES[target].items():
-        class_name, method = path.split(".")
-        if not hasattr(getattr(module, class_name, None), method):
-            continue  # e.g. accelerate < 0.17 has no save/load hooks; another DeepSpeed may lack the ZeRO method
+        if not _exists(module, path):
+            continue  # another release may lack it (accelerate < 0.17 has no save hooks, say): nothing to wrap
         owner, attribute, original = wrapt.resolve_path(module, path)
         _originals[(target, path)] = (owner, attribute, original)
         wrapper_module, wrapper_name = wrapper.split(".")

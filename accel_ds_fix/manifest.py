@@ -6,9 +6,10 @@ import os
 import re
 
 from .errors import MergeError
+from .trainability import frozen_names
 
 FILENAME = "accel_ds_fix.json"
-FORMAT = 1
+FORMAT = 2  # 2 added "frozen": the parameters DeepSpeed stored as frozen
 
 
 def _shape(param):
@@ -27,8 +28,9 @@ def describe(merged):
 
 
 def write(directory, merged):
+    content = {"format": FORMAT, "models": describe(merged), "frozen": frozen_names(merged)}
     with open(os.path.join(directory, FILENAME), "w", encoding="utf-8") as f:
-        json.dump({"format": FORMAT, "models": describe(merged)}, f)
+        json.dump(content, f)
 
 
 def _summary(models):
@@ -36,7 +38,8 @@ def _summary(models):
 
 
 def check(directory, merged):
-    """Raise MergeError unless ``directory`` was saved from a merged engine of the same models."""
+    """Raise MergeError unless ``directory`` was saved from a merged engine of the same models; else return
+    what the manifest says (``frozen`` is None for a checkpoint of format 1)."""
     path = os.path.join(directory, FILENAME)
     current = describe(merged)
     if not os.path.exists(path):
@@ -46,25 +49,29 @@ def check(directory, merged):
             "run's script saved with accel_ds_fix active, or start from exported weights."
         )
     with open(path, encoding="utf-8") as f:
-        saved = json.load(f)["models"]
+        content = json.load(f)
+    saved = content["models"]
     problems = []
     missing, extra = sorted(set(saved) - set(current)), sorted(set(current) - set(saved))
     if missing:
-        problems.append(f"not passed to prepare() now: {', '.join(missing)}")
+        problems.append("in the checkpoint but not passed to prepare() now: " + _summary({n: saved[n] for n in missing}))
     if extra:
-        problems.append(f"not in the checkpoint: {', '.join(extra)}")
+        problems.append("passed to prepare() now but not in the checkpoint: " + _summary({n: current[n] for n in extra}))
     for name in sorted(set(saved) & set(current)):
         before, now = saved[name]["parameters"], current[name]["parameters"]
         changed = [n for n in sorted(set(before) | set(now)) if before.get(n) != now.get(n)]
         if changed:
             shown = "; ".join(f"{n}: {before.get(n, 'absent')} -> {now.get(n, 'absent')}" for n in changed[:5])
-            problems.append(f"{name} has {len(changed)} parameter(s) of other names or shapes ({shown})")
+            problems.append(
+                f"{name} ({current[name]['class']}) has {len(changed)} parameter(s) of other names or shapes ({shown})"
+            )
     if problems:
         raise MergeError(
             f"accel_ds_fix: cannot resume from {directory}: it holds {_summary(saved)}, but this run merged "
-            f"{_summary(current)}. " + ". ".join(problems).capitalize() + ". Nothing was loaded. Pass the same "
-            "models, in the same order, to accelerator.prepare() as the run that saved it."
+            f"{_summary(current)}. " + "; ".join(problems) + ". Nothing was loaded. Pass the same models, in the "
+            "same order, to accelerator.prepare() as the run that saved it."
         )
+    return {"frozen": content.get("frozen")}
 
 
 def automatic_checkpoint(project_dir):

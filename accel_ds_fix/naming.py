@@ -18,7 +18,7 @@ def model_names(models):
     names = []
     seen = {}
     for model in models:
-        base = _slug(type(model).__name__)
+        base = _slug(model.__class__.__name__)  # __class__: a model that was prepared already is named as itself
         count = seen.get(base, 0)
         seen[base] = count + 1
         names.append(base if count == 0 else f"{base}_{count}")

@@ -3,6 +3,7 @@
 import torch
 
 from .errors import MergeError
+from .gather import full_numel
 from .naming import model_names
 from .proxy import is_proxy
 
@@ -26,33 +27,52 @@ def _optimizer_params(optimizer):
         yield from ([params] if isinstance(params, torch.Tensor) else params)
 
 
-def _is_prepared(model):
-    return is_proxy(model) or type(model).__name__ == "DeepSpeedEngine"
+def _prepared_as(model):
+    """(merged name or None, class name) of something an earlier prepare() returned, else None."""
+    if is_proxy(model):
+        return model._self_name, type(model.__wrapped__).__name__
+    if type(model).__name__ == "DeepSpeedEngine":
+        return None, type(model.module).__name__
+    return None
+
+
+def _count(n):
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
 
 
 class MergePlan:
-    """Where the models sit in the argument list, their unique instances and their stable names."""
+    """Where the models sit in the argument list, and their stable names (snake-cased class, argument order)."""
 
     def __init__(self, args):
         self.positions = [i for i, obj in enumerate(args) if isinstance(obj, torch.nn.Module)]
-        self.models = []
-        for i in self.positions:
-            if not any(args[i] is m for m in self.models):
-                self.models.append(args[i])
+        self.models = [args[i] for i in self.positions]
         self.names = model_names(self.models)
         self.optimizers = [obj for obj in args if _is_optimizer(obj)]
 
-    def name_of(self, model):
-        return next(name for m, name in zip(self.models, self.names) if m is model)
+    def label(self, index):
+        """How messages name the model at ``index`` of self.models: merged name, class and argument number."""
+        model = self.models[index]
+        prepared = _prepared_as(model)
+        cls = prepared[1] if prepared else type(model).__name__
+        return f"{self.names[index]} ({cls}, argument {self.positions[index] + 1} of prepare())"
+
+    def describe(self, stage):
+        """The merge line: each model's name, class, parameters (full ZeRO-3 sizes) and trainable parameters."""
+        parts = []
+        for name, model in zip(self.names, self.models):
+            params = list(model.parameters())
+            total = _count(sum(full_numel(p) for p in params))
+            trainable = _count(sum(full_numel(p) for p in params if p.requires_grad))
+            parts.append(f"{name} ({type(model).__name__}, {total} params, {trainable} trainable)")
+        return f"merged {len(self.models)} models into one DeepSpeed engine (ZeRO stage {stage}): " + ", ".join(parts)
 
     def check(self, offload_device="none", force_cpu_optimizer=True):
         """Raise MergeError for any input that one merged engine cannot train correctly."""
-        prepared = [type(m.__wrapped__ if is_proxy(m) else m).__name__ for m in self.models if _is_prepared(m)]
-        if prepared:
-            raise MergeError(
-                f"accel_ds_fix: {', '.join(prepared)} was already prepared by accelerate. Pass the original models "
-                "to a single accelerator.prepare() call, each of them once."
-            )
+        self._check_each_model_once()
+        self._check_not_prepared()
         if len(self.optimizers) > 1:
             raise MergeError(
                 f"accel_ds_fix: this prepare() call holds {len(self.optimizers)} optimizers, but DeepSpeed builds "
@@ -65,17 +85,38 @@ class MergePlan:
             if offload_device not in (None, "none") and force_cpu_optimizer:
                 _check_offloadable(self.optimizers[0], offload_device)
 
+    def _check_each_model_once(self):
+        for later, model in enumerate(self.models):
+            earlier = next(i for i, m in enumerate(self.models) if m is model)
+            if earlier != later:
+                raise MergeError(
+                    f"accel_ds_fix: arguments {self.positions[earlier] + 1} and {self.positions[later] + 1} of "
+                    f"prepare() are the same {type(model).__name__} object ({self.names[earlier]}). One engine "
+                    "trains each model once: pass every model exactly once, and use the one object prepare() "
+                    "returns for it wherever the script needs the model again."
+                )
+
+    def _check_not_prepared(self):
+        prepared = [self.label(i) for i, model in enumerate(self.models) if _prepared_as(model)]
+        if prepared:
+            raise MergeError(
+                f"accel_ds_fix: {' and '.join(prepared)} {'was' if len(prepared) == 1 else 'were'} already "
+                "prepared by accelerate (an earlier prepare() returned it). Pass the original models to a single "
+                "accelerator.prepare() call, each of them once."
+            )
+
     def _check_optimizer_covered(self, optimizer):
         known = {id(p) for model in self.models for p in model.parameters()}
         strays = [p for p in _optimizer_params(optimizer) if id(p) not in known]
         if strays:
             shapes = ", ".join(str(tuple(p.shape)) for p in strays[:10])
             more = f" and {len(strays) - 10} more" if len(strays) > 10 else ""
+            models = ", ".join(self.label(i) for i in range(len(self.models)))
             raise MergeError(
                 f"accel_ds_fix: the optimizer holds {len(strays)} parameter(s) that belong to none of the "
-                f"{len(self.models)} models passed to prepare() (shapes: {shapes}{more}). DeepSpeed can only "
-                "train parameters of the modules it wraps: pass the model that owns them to the same prepare() "
-                "call, or leave them out of the optimizer."
+                f"{len(self.models)} models passed to prepare(): {models} (shapes: {shapes}{more}). DeepSpeed can "
+                "only train parameters of the modules it wraps: pass the model that owns them to the same "
+                "prepare() call, or leave them out of the optimizer."
             )
 
 
@@ -104,7 +145,8 @@ def _check_offloadable(optimizer, device):
         return
     cls = type(optimizer)
     why = (
-        "bitsandbytes' 8-bit optimizers run on the GPU only and have no CPU version"
+        "DeepSpeed's optimizer offload steps with its own 32-bit CPU optimizers (DeepSpeedCPUAdam, Adagrad, "
+        "Lion) and has no 8-bit one"
         if _from_bitsandbytes(cls)
         else f"DeepSpeed has no CPU version of {cls.__name__}"
     )
@@ -113,5 +155,6 @@ def _check_offloadable(optimizer, device):
         f"optimizer to {device}: {why}, and accelerate would silently replace it by DeepSpeedCPUAdam (another "
         "optimizer than the one asked for). Use torch.optim.AdamW (run as DeepSpeedCPUAdam; for kohya scripts: "
         "drop --use_8bit_adam), or turn optimizer offload off (offload_optimizer_device: none), or set "
-        "zero_force_ds_cpu_optimizer to false in the DeepSpeed config to run this optimizer itself on the CPU."
+        '"zero_force_ds_cpu_optimizer": false in the DeepSpeed config JSON: DeepSpeed then steps this optimizer '
+        "itself on the offloaded CPU copy (slower than DeepSpeedCPUAdam; tested with bitsandbytes 0.50 AdamW8bit)."
     )

@@ -4,6 +4,7 @@ import copy
 
 import wrapt
 
+from .gather import load_full_weights
 from .merged import TARGET_KEYWORD
 
 
@@ -30,6 +31,11 @@ class ModelProxy(wrapt.BaseObjectProxy):
 
     def eval(self):
         return self.train(False)
+
+    # Load hooks of training scripts (diffusers' `model.load_state_dict(...)`, peft's set_peft_model_state_dict)
+    # write into the model they are given; under ZeRO-3 its parameters are shape-[0] shards outside forward.
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        return load_full_weights(self.__wrapped__, state_dict, *args, **kwargs)
 
     def __copy__(self):
         return copy.copy(self.__wrapped__)

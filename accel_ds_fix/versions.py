@@ -1,5 +1,6 @@
 """The accelerate and DeepSpeed versions this package is tested with, checked through package metadata."""
 
+import os
 import sys
 import warnings
 from importlib import metadata
@@ -7,7 +8,7 @@ from importlib import metadata
 # (lowest, highest) tested release of each package, both inclusive. The README's compatibility table and the
 # CI matrix are made from these runs; change them together.
 SUPPORTED = {
-    "accelerate": ("0.15.0", "1.15.0"),
+    "accelerate": ("0.15.0", "1.16.0"),
     "deepspeed": ("0.14.4", "0.19.8"),
 }
 
@@ -61,10 +62,31 @@ def cpu_limit(accelerate_version, cuda_available):
     )
 
 
+def _package_dir(name):
+    module = sys.modules.get(name)
+    return os.path.dirname(module.__file__) + os.sep if getattr(module, "__file__", None) else None
+
+
+def _user_stacklevel():
+    """The stacklevel of the first caller outside this package, wrapt, accelerate, DeepSpeed and importlib:
+    the script's own `import` line, which the warning then names instead of a line of ours."""
+    inside = tuple(filter(None, (_package_dir(n) for n in (__package__, "wrapt", "accelerate", "deepspeed"))))
+    frame, level = sys._getframe(2), 2  # level 1 is warn_if_untested, which calls warnings.warn
+    while frame.f_back is not None:
+        name = frame.f_code.co_filename
+        if "importlib" in name and "_bootstrap" in name:
+            frame = frame.f_back  # warnings skips importlib's frames when it counts the stacklevel
+            continue
+        if not name.startswith(inside) and not name.startswith("<frozen "):
+            break
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def warn_if_untested():
     messages = [untested(package, installed_version(package)) for package in SUPPORTED]
     torch = sys.modules.get("torch")  # accelerate imported it already; never import it here
     if torch is not None:
         messages.append(cpu_limit(installed_version("accelerate"), torch.cuda.is_available()))
     for message in filter(None, messages):
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warnings.warn(message, RuntimeWarning, stacklevel=_user_stacklevel())

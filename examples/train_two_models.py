@@ -82,6 +82,7 @@ def parse_args():
     p.add_argument("--freeze-text-encoder", action="store_true", help="train the unet only (text encoder frozen)")
     p.add_argument("--reference", action="store_true", help="train through a hand-written merged module")
     p.add_argument("--save-state", help="accelerator.save_state() here after the last step")
+    p.add_argument("--save-state-at", type=int, default=0, help="with --save-state: save after this many steps instead")
     p.add_argument("--resume", help="accelerator.load_state() from here before training")
     p.add_argument("--export", help="save each model here with get_state_dict/save_model/unwrap_model")
     p.add_argument("--out", help="write losses and results as JSON here")
@@ -117,14 +118,15 @@ def accumulate(accelerator, models):
 
 
 def make_accelerator(args):
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # `accelerate launch --use_deepspeed ...`
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # `accelerate launch` with a DeepSpeed config
         try:
             from accelerate import PartialState  # accelerate >= 0.17; it must see the launcher's world size
         except ImportError:
             init_process_group()
         else:
             PartialState(backend="nccl" if torch.cuda.is_available() else "gloo")
-        return Accelerator()
+        # As train_db.py and train_dreambooth.py do: the script chooses its precision, the config the rest.
+        return Accelerator(mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.gas)
     init_process_group()
     plugin = DeepSpeedPlugin(
         zero_stage=args.zero_stage,
@@ -195,9 +197,11 @@ def main():
             optimizer.zero_grad()
         losses.append(accelerator.gather(loss.detach().float()).mean().item())
         accelerator.print(f"step {step}: loss {losses[-1]:.6f}")
+        if args.save_state and len(losses) == args.save_state_at:
+            accelerator.save_state(args.save_state)
 
     result = {"losses": losses, "fix_active": "accel_ds_fix" in sys.modules}
-    if args.save_state:
+    if args.save_state and not args.save_state_at:
         accelerator.save_state(args.save_state)
     if args.export:
         exported = {"merged": merged} if args.reference else {"tinyunet": unet, "tinytextencoder": text_encoder}

@@ -1,0 +1,172 @@
+"""save_state / load_state with merged models: one DeepSpeed checkpoint of the merged engine, a manifest of
+what it holds, and the state hooks of training scripts called the way accelerate calls them without DeepSpeed.
+
+accelerate's DeepSpeed branch hands save hooks the engine and an empty ``weights`` list, and load hooks no
+models at all. Scripts written for the general contract (diffusers: one ``weights.pop()`` per model and a
+``save_pretrained`` into a subfolder; a load hook that pops each model and loads adapter weights into it)
+then fail. With merged models, the hooks get each model and one ``weights`` entry per model; hooks are
+registered untouched, and with nothing merged they run exactly as without this package.
+"""
+
+import collections.abc
+import contextlib
+import os
+import sys
+
+from . import manifest, nvme_resume, trainability
+from .gather import shards
+from .lookup import merged_engine
+from .proxy import unwrap
+
+
+class ModelWeights(collections.abc.Mapping):
+    """One model's entry in a save hook's ``weights``: its state dict, computed only if the hook reads it.
+
+    Most hooks only pop the entry; under ZeRO-3 reading it gathers the full weights (a collective).
+    """
+
+    def __init__(self, model):
+        self._model = model
+        self._state = None
+
+    def _loaded(self):
+        if self._state is None:
+            self._state = self._model.state_dict()
+        return self._state
+
+    def __getitem__(self, key):
+        return self._loaded()[key]
+
+    def __iter__(self):
+        return iter(self._loaded())
+
+    def __len__(self):
+        return len(self._loaded())
+
+    def __repr__(self):
+        return f"<weights of {type(self._model).__name__}, read when used>"
+
+
+def _each_model(engine, models):
+    """accelerate's model list with the merged engine replaced by its models' proxies, in argument order."""
+    split = []
+    for model in models:
+        split.extend(engine._accel_ds_fix_proxies.values() if model is engine else [model])
+    return split
+
+
+@contextlib.contextmanager
+def _hooks_replaced(accelerator, attribute, adapt):
+    """Run accelerate's call with each registered hook replaced by ``adapt(hook)``; the user's own hook
+    objects are put back afterwards (handles stay valid: the same dict is changed in place)."""
+    hooks = getattr(accelerator, attribute, None)
+    if not hooks:
+        yield
+        return
+    registered = dict(hooks)
+    for key, hook in registered.items():
+        hooks[key] = adapt(hook)
+    try:
+        yield
+    finally:
+        hooks.clear()
+        hooks.update(registered)
+
+
+@contextlib.contextmanager
+def _gathered_for_hook(accelerator, engine):
+    # With several processes, a save hook that saves on the main process only (diffusers' do) would gather
+    # ZeRO-3 weights there alone and hang: gather them on every process around the hook instead.
+    params = shards(engine.module.parameters()) if accelerator.num_processes > 1 else []
+    if not params:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield
+
+
+@contextlib.contextmanager
+def _models_built_whole():
+    """While hooks run, models they build themselves (diffusers' load hook: CLIPTextModel.from_pretrained, then
+    load_state_dict into the prepared model) come out whole: under a ZeRO-3 config accelerate registers it with
+    transformers, whose from_pretrained then partitions every new model into shape-[0] shards."""
+    module = sys.modules.get("transformers.integrations.deepspeed") or sys.modules.get("transformers.deepspeed")
+    registered = getattr(module, "_hf_deepspeed_config_weak_ref", None)
+    if registered is None:
+        yield
+        return
+    module._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        module._hf_deepspeed_config_weak_ref = registered
+
+
+def save_state(wrapped, instance, args, kwargs):
+    """Accelerator.save_state: DeepSpeed's checkpoint of the merged engine, plus what it holds (manifest)."""
+    engine = merged_engine(instance)
+    if engine is None:
+        return wrapped(*args, **kwargs)
+    trainability.warn_if_changed(engine)
+
+    def per_model(hook):
+        def save_hook(models, weights, output_dir):
+            each = _each_model(engine, models)
+            # One entry per model, as without DeepSpeed. What the hook leaves in it is not written again:
+            # DeepSpeed's checkpoint already holds every weight (accelerate's own `weights` stays empty).
+            with _gathered_for_hook(instance, engine), _models_built_whole():
+                hook(each, [ModelWeights(unwrap(m)) for m in each], output_dir)
+
+        return save_hook
+
+    with _hooks_replaced(instance, "_save_model_state_pre_hook", per_model):
+        location = wrapped(*args, **kwargs)
+    directory = location if isinstance(location, str) else (args[0] if args else kwargs.get("output_dir"))
+    if instance.is_main_process:
+        manifest.write(directory, engine.module)
+    return location
+
+
+def _input_dir(instance, args, kwargs):
+    directory = args[0] if args else kwargs.get("input_dir")
+    automatic = getattr(getattr(instance, "project_configuration", None), "automatic_checkpoint_naming", False)
+    if directory is None and automatic:
+        return manifest.automatic_checkpoint(instance.project_dir)
+    return os.path.expanduser(directory) if directory is not None else None
+
+
+def load_state(wrapped, instance, args, kwargs):
+    """Accelerator.load_state: check the checkpoint holds these models, run the load hooks with the models
+    (before any weights are loaded, as accelerate does without DeepSpeed), then let DeepSpeed restore the
+    engine, which overrides whatever the hooks loaded."""
+    engine = merged_engine(instance)
+    directory = _input_dir(instance, args, kwargs) if engine is not None else None
+    if directory is None or not os.path.isdir(directory):
+        return wrapped(*args, **kwargs)  # accelerate's own handling, and its own error for a missing folder
+    saved = manifest.check(directory, engine.module)
+    trainability.warn_if_changed(engine)
+    hooks = list(getattr(instance, "_load_model_state_pre_hook", {}).values())
+    if hooks:
+        models = list(engine._accel_ds_fix_proxies.values())
+        with _models_built_whole():
+            for hook in hooks:
+                hook(models, directory)
+    with _hooks_replaced(instance, "_load_model_state_pre_hook", lambda hook: _already_called):
+        with trainability.as_saved(engine.module, saved["frozen"]):
+            result = wrapped(*args, **kwargs)
+    nvme_resume.restore_unswapped(engine, directory, _checkpoint_tag(instance, engine))
+    return result
+
+
+def _checkpoint_tag(accelerator, engine):
+    # accelerate's save_state/load_state name engine i's checkpoint MODEL_NAME, then MODEL_NAME_i
+    from accelerate.utils import MODEL_NAME
+
+    index = accelerator._models.index(engine)
+    return MODEL_NAME if index == 0 else f"{MODEL_NAME}_{index}"
+
+
+def _already_called(models, input_dir):
+    """Stands in for a load hook during accelerate's own call: it ran already, with the models."""

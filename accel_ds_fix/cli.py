@@ -1,0 +1,110 @@
+"""The command line: `python -m accel_ds_fix` reports whether the fix is active here; `python -m accel_ds_fix
+plan` says which DeepSpeed config fits a model on a machine and writes it. Only calls the library."""
+
+import argparse
+import json
+import sys
+
+from . import memory, planner, report, tiers
+
+GIB = memory.GIB
+
+
+def _plan_parser(sub):
+    p = sub.add_parser("plan", help="which shipped DeepSpeed config fits a model on a machine",
+                       description="Predict each shipped tier's GPU, host and NVMe needs, say which fit, recommend one.")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", help="parameters passed to prepare(), e.g. 983M (SD1.5 UNet + text encoder)")
+    what.add_argument("--model", help="a diffusers pipeline folder (its unet and text encoders are counted), a "
+                                      "transformers/diffusers model folder, or a .safetensors file")
+    p.add_argument("--trainable", help="trainable parameters, if fewer than all (default: all)")
+    p.add_argument("--gpu-memory", help="the card's memory, e.g. 6GiB (default: detected)")
+    p.add_argument("--host-memory", help="the machine's RAM, e.g. 16GiB (default: detected)")
+    p.add_argument("--activations", default="0.42GiB",
+                   help="activation memory at the peak (default 0.42GiB: SD1.5, 512 px, batch 1, gradient checkpointing)")
+    p.add_argument("--mixed-precision", default="fp16", choices=["fp16", "bf16", "no"])
+    p.add_argument("--num-processes", type=int, default=1, help="data-parallel processes (GPUs)")
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.add_argument("--write", metavar="DIR", help="write the recommended (or --tier) config pair into DIR")
+    p.add_argument("--tier", choices=[t.name for t in tiers.TIERS], help="the tier to write instead")
+    p.add_argument("--nvme-path", default=tiers.DEFAULT_NVME_PATH,
+                   help="folder on an NVMe disk for the zero3-nvme tier's optimizer states")
+
+
+def _plan(args):
+    if args.model:
+        counted = planner.count_model_dir(args.model)
+        params = sum(counted.values())
+        source = ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in counted.items())
+    else:
+        params, source = planner.parse_count(args.params), "--params"
+    trainable = planner.parse_count(args.trainable) if args.trainable else params
+    work = memory.Workload(params=params, trainable=trainable, largest_trainable=min(trainable, 49408 * 768),
+                           activations=planner.parse_bytes(args.activations))
+    machine = planner.Machine.given(
+        planner.parse_bytes(args.gpu_memory) if args.gpu_memory else None,
+        planner.parse_bytes(args.host_memory) if args.host_memory else None,
+    )
+    if not machine.gpu or not machine.host:
+        missing = " and ".join(n for n, v in (("--gpu-memory", machine.gpu), ("--host-memory", machine.host)) if not v)
+        print(f"accel_ds_fix plan: no CUDA device or memory size found here: give {missing}", file=sys.stderr)
+        return 2
+    rows, recommended = planner.plan(work, machine, args.mixed_precision, args.num_processes)
+    chosen = args.tier or recommended
+    written = tiers.write(tiers.BY_NAME[chosen], args.write, nvme_path=args.nvme_path) if args.write and chosen else None
+    if args.json:
+        print(json.dumps({"params": params, "trainable": trainable, "source": source,
+                          "gpu_gib": round(machine.gpu / GIB, 2), "host_gib": round(machine.host / GIB, 2),
+                          "gpu_usable_gib": round(machine.gpu_usable / GIB, 2),
+                          "host_usable_gib": round(machine.host_usable / GIB, 2),
+                          "tiers": rows, "recommended": recommended, "written": written}, indent=1))
+    else:
+        _print_plan(params, trainable, source, machine, args, rows, recommended)
+        if written:
+            print(f"\nwrote {written[0]}\n      {written[1]}\nrun:  ACCEL_DS_FIX=1 accelerate launch --config_file "
+                  f"{written[0]} YOUR_SCRIPT.py ... --mixed_precision {args.mixed_precision}")
+    if args.write and not chosen:
+        print("accel_ds_fix plan: no tier fits, nothing written (name one with --tier to write it anyway)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print_plan(params, trainable, source, machine, args, rows, recommended):
+    print(f"{params / 1e6:.1f}M parameters ({source}), {trainable / 1e6:.1f}M trainable, {args.mixed_precision}, "
+          f"{args.num_processes} process(es), activations {args.activations}")
+    print(f"GPU  {machine.gpu / GIB:.1f} GiB: {machine.gpu_usable / GIB:.1f} usable "
+          f"({planner.GPU_RESERVE / GIB:.1f} kept for the CUDA context and display)")
+    print(f"host {machine.host / GIB:.1f} GiB: {machine.host_usable / GIB:.1f} usable "
+          f"({planner.HOST_RESERVE / GIB:.1f} kept for the system and desktop)\n")
+    print(f"{'tier':<15}{'GPU reserved':>13}{'host peak':>11}{'NVMe':>9}  fits")
+    for r in rows:
+        verdict = "yes" if r["fits"] else "no: " + " and ".join(
+            n for n, ok in (("GPU", r["fits_gpu"]), ("host", r["fits_host"])) if not ok)
+        nvme = f"{r['nvme_gib']:.1f} GiB" if r["nvme_gib"] else "-"
+        print(f"{r['tier']:<15}{r['gpu_reserved_gib']:>9.1f} GiB{r['host_gib']:>7.1f} GiB{nvme:>9}  {verdict}")
+    for r in rows:
+        if r["caveat"]:
+            print(f"  {r['tier']}: {r['caveat']}")
+    if recommended:
+        tier = tiers.BY_NAME[recommended]
+        print(f"\nrecommended: {recommended}: {tier.title}.")
+        if not args.write:
+            print("write it:    python -m accel_ds_fix plan ... --write DIR")
+    else:
+        print("\nno tier fits: train fewer parameters (LoRA, see the README), or use a machine with more memory.")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m accel_ds_fix",
+                                     description="Without a command: report whether the fix is active here.")
+    sub = parser.add_subparsers(dest="command")
+    _plan_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "plan":
+        try:
+            return _plan(args)
+        except ValueError as exc:
+            parser.error(str(exc))
+    print("\n".join(report.lines()))
+    return 0

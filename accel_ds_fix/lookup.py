@@ -1,0 +1,15 @@
+"""Where an Accelerator keeps what this package needs: its DeepSpeed config and the engine of merged models."""
+
+
+def uses_deepspeed(accelerator):
+    return getattr(accelerator.distributed_type, "value", accelerator.distributed_type) == "DEEPSPEED"
+
+
+def deepspeed_config(accelerator):
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin.deepspeed_config if plugin else {}
+
+
+def merged_engine(accelerator):
+    """The DeepSpeed engine of this accelerator that holds merged models, or None."""
+    return next((m for m in accelerator._models if getattr(m, "_accel_ds_fix_proxies", None)), None)

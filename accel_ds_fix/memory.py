@@ -1,0 +1,199 @@
+"""A memory model of one DeepSpeed training: peak GPU memory (allocated and reserved) and peak host memory,
+from the parameter counts of the models and the DeepSpeed config, before anything is allocated.
+
+Every term is a buffer DeepSpeed 0.19.8 allocates (the source line is named beside it); docs/memory.md puts
+the predictions next to measurements. Sizes are per process, for a data-parallel world of W processes.
+P: all parameters, T: trainable ones, h: bytes of the half-precision copy DeepSpeed trains (2 under fp16/bf16,
+else 4), m: bytes of master weights and their gradients (4, or 2 with *_master_weights_and_grads).
+"""
+
+import dataclasses
+import math
+
+GIB = 1024**3
+
+# Host memory of a training process before any model exists: Python, torch, the CUDA context and the usual
+# libraries (diffusers/transformers) mapped in. Measured on the H200 host and on the CPU (docs/memory.md).
+HOST_BASELINE = {"cuda": 2.6 * GIB, "cpu": 0.7 * GIB}
+# Activation memory at the training peak is a property of the model, resolution and batch, not of
+# DeepSpeed; SD1.5 at 512 px, batch 1, fp16, gradient checkpointing needs about this much (measured).
+SD15_ACTIVATIONS = int(0.42 * GIB)
+# Reserved over allocated GPU memory under ZeRO-3 (H200, SD1.5, 6 GiB cap: 2.04 / 1.86 GiB).
+STAGE3_RESERVED = 1.10
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What the model side contributes."""
+
+    params: int
+    trainable: int
+    largest_trainable: int = 0  # elements of the largest trainable parameter (a staging buffer's size)
+    weight_bytes: int = 4  # bytes per element of the weights as handed to prepare()
+    activations: int = 0  # bytes; 0 where unknown (the check inside prepare() cannot know them)
+    groups: tuple = ()  # trainable elements per optimizer parameter group; () means one group
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the DeepSpeed config contributes (``from_config`` reads it)."""
+
+    stage: int = 2
+    half_bytes: int = 2
+    master_bytes: int = 4
+    optimizer_state_bytes: int = 8  # Adam: exp_avg + exp_avg_sq in fp32
+    offload_optimizer: str = "none"  # none | cpu | nvme
+    offload_param: str = "none"
+    pin_memory: bool = False
+    reduce_bucket: int = int(5e8)
+    prefetch_bucket: int = int(5e7)
+    max_live: int = int(1e9)
+    sub_group: int = int(1e9)
+    swap_buffers: int = 4
+    grad_accum_bytes: int = 4
+    world_size: int = 1
+
+    @classmethod
+    def from_config(cls, config, mixed_precision="no", world_size=1, hidden_size=None):
+        def enabled(section):
+            value = config.get(section, {}).get("enabled", False)
+            return mixed_precision == section if value == "auto" else bool(value)
+
+        def number(value, default):
+            if value == "auto":  # accelerate fills these from the model's hidden size
+                return default if hidden_size is None else None
+            return int(float(value)) if value is not None else default
+
+        zero = config.get("zero_optimization", {})
+        half = 2 if (enabled("fp16") or enabled("bf16")) else 4
+        low_master = config.get("fp16", {}).get("fp16_master_weights_and_grads") or config.get("bf16", {}).get(
+            "bf16_master_weights_and_grads"
+        )
+        opt, par = zero.get("offload_optimizer") or {}, zero.get("offload_param") or {}
+        hidden = hidden_size or 1
+        reduce_bucket = number(zero.get("reduce_bucket_size"), int(5e8))
+        prefetch = number(zero.get("stage3_prefetch_bucket_size"), int(5e7))
+        accum = (config.get("data_types") or {}).get("grad_accum_dtype")
+        return cls(
+            stage=int(zero.get("stage", 0)),
+            half_bytes=half,
+            master_bytes=2 if (low_master and half == 2) else 4,
+            offload_optimizer=opt.get("device", "none") or "none",
+            offload_param=par.get("device", "none") or "none",
+            pin_memory=bool(opt.get("pin_memory", False) or par.get("pin_memory", False)),
+            reduce_bucket=reduce_bucket if reduce_bucket is not None else hidden * hidden,
+            prefetch_bucket=prefetch if prefetch is not None else int(0.9 * hidden * hidden),
+            max_live=number(zero.get("stage3_max_live_parameters"), int(1e9)) or int(1e9),
+            sub_group=number(zero.get("sub_group_size"), int(1e9)),
+            swap_buffers=int(opt.get("buffer_count", 4)),
+            grad_accum_bytes=2 if accum in ("fp16", "bf16") else (2 if (low_master and half == 2) else 4),
+            world_size=world_size,
+        )
+
+
+@dataclasses.dataclass
+class Prediction:
+    gpu_allocated: int
+    gpu_reserved: int
+    host: int  # peak resident memory of the process, the baseline included
+    nvme: int
+    parts: list  # (what, where, bytes)
+
+    def gib(self):
+        return {k: round(getattr(self, k) / GIB, 2) for k in ("gpu_allocated", "gpu_reserved", "host", "nvme")}
+
+
+def _pinned(nbytes, device):
+    # torch's caching host allocator hands out page-locked blocks rounded up to a power of two.
+    if device != "cuda" or nbytes <= 0:
+        return nbytes
+    return 1 << math.ceil(math.log2(nbytes))
+
+
+def predict(work, s, device="cuda", host_baseline=None):
+    """Peak memory of training ``work`` with DeepSpeed settings ``s`` on ``device`` ("cuda" or "cpu": on a
+    CPU-only machine DeepSpeed's device buffers are host memory too)."""
+    W, P, T, h, m = s.world_size, work.params, work.trainable, s.half_bytes, s.master_bytes
+    groups = [g // W for g in (work.groups or (T,))]
+    pin = s.pin_memory and device == "cuda"
+    gpu_build, gpu_train, host_parts, nvme = [], [], [], 0
+
+    def host(what, nbytes, pinned=False):
+        host_parts.append((what, _pinned(nbytes, device) if pinned else nbytes))
+
+    if s.stage in (0, 1, 2):
+        # engine.py: module.half() (or bfloat16()) and module.to(device)
+        gpu_build.append(("half-precision weights", h * P))
+        if s.stage > 0:
+            # stage_1_and_2.py:505 flattens the trainable weights while the per-parameter blocks still exist
+            gpu_build.append(("flat copy of the trainable weights while ZeRO flattens them", h * T))
+        gpu_train.append(("half-precision weights", h * P))
+        gpu_train.append(("gradient bucket (reduce_bucket_size)", h * min(s.reduce_bucket, max(T, 1))))
+        if s.offload_optimizer == "cpu":
+            gpu_train.append(("staging buffer of the largest parameter", h * work.largest_trainable))
+            # stage_1_and_2.py:560 fp32 master partition, :566 bit16 staging copy, :940 fp32 gradient partition
+            for g in groups:
+                host("master weights (pinned)", m * g, pin)
+                host("half-precision staging copy (pinned)", h * g, pin)
+                host("gradient partition (pinned)", m * g, pin)
+            host("optimizer states (DeepSpeedCPUAdam)", s.optimizer_state_bytes * T // W)
+        else:
+            if s.stage == 2:  # stage_1_and_2.py: contiguous gradients of this rank's partition
+                gpu_train.append(("gradient partition", h * T // W))
+            per_rank = (m + m + s.optimizer_state_bytes) * T // W
+            gpu_train.append(("master weights, gradients and optimizer states", per_rank))
+    else:
+        params_on_gpu = s.offload_param == "none"
+        # stage 3 without zero.Init: the whole module passes through the device in half precision first
+        gpu_build.append(("half-precision weights, before ZeRO-3 partitions them", h * P))
+        if params_on_gpu:
+            gpu_train.append(("partitioned half-precision weights", h * P // W))
+        else:
+            host("partitioned half-precision weights (pinned)", h * P // W, pin)
+        # Weights gathered for the layers in flight; from host memory they pass through a device staging
+        # buffer first, a second copy (measured: docs/memory.md)
+        copies = 1 if params_on_gpu else 2
+        gpu_train.append(("gathered weights in flight (prefetch bucket + max live parameters)",
+                          copies * h * min(P, s.prefetch_bucket + s.max_live)))
+        gpu_train.append(("gradient bucket (reduce_bucket_size)", h * min(s.reduce_bucket, max(T, 1))))
+        sub_groups = [min(s.sub_group, g) for g in groups]
+        largest_sub_group = max(sub_groups, default=0)
+        if s.offload_optimizer == "none":
+            gpu_train.append(("master weights, gradients and optimizer states",
+                              (m + s.grad_accum_bytes + m + s.optimizer_state_bytes) * T // W))
+        else:
+            # stage3.py:791 gradient partitions of every trainable parameter, on the host
+            host("gradient partitions (pinned)", s.grad_accum_bytes * T // W, pin)
+            # stage3.py:1306 one gradient buffer of the largest sub group
+            host("gradient buffer of the largest sub group", m * largest_sub_group)
+            if s.offload_optimizer == "cpu":
+                host("master weights", m * T // W)
+                host("gradients of the master weights (pinned)", m * T // W, pin)
+                host("optimizer states (DeepSpeedCPUAdam)", s.optimizer_state_bytes * T // W)
+            else:  # nvme: master weights and optimizer states live on disk, swapped in one sub group at a time
+                host("swap buffers (buffer_count x sub_group_size, pinned)", s.swap_buffers * 4 * largest_sub_group)
+                nvme = (m + s.optimizer_state_bytes) * T // W
+    if work.activations:
+        gpu_train.append(("activations", work.activations))
+
+    build, train = sum(b for _, b in gpu_build), sum(b for _, b in gpu_train)
+    baseline = HOST_BASELINE[device] if host_baseline is None else host_baseline
+    deepspeed_host = sum(b for _, b in host_parts)
+    # The weights as loaded (before prepare) leave the host when they move to the GPU; on a CPU they stay.
+    loaded = work.weight_bytes * P
+    if device == "cpu":  # the device buffers are host memory too, allocated before DeepSpeed's host buffers
+        # ZeRO-3 partitions the module where it is: on a CPU the weights as loaded stay resident (measured).
+        resident = loaded if s.stage == 3 else 0
+        host_peak = baseline + resident + max(loaded, build, train + deepspeed_host)
+        gpu_alloc = gpu_reserved = 0
+    else:
+        host_peak = baseline + max(loaded, deepspeed_host)
+        gpu_alloc = max(build, train)
+        # ZeRO-1/2: reserved = allocated with the fix's release of ZeRO's freed blocks (zero_memory.py);
+        # ZeRO-3 gathers and frees weights all the time, and the caching allocator keeps ~10% more (measured).
+        gpu_reserved = gpu_alloc if s.stage < 3 else int(gpu_alloc * STAGE3_RESERVED)
+    parts = [(w, "gpu (construction)", b) for w, b in gpu_build] + [(w, "gpu (training)", b) for w, b in gpu_train]
+    parts += [(w, "host", b) for w, b in host_parts] + [("process baseline", "host", baseline)]
+    if nvme:
+        parts.append(("master weights and optimizer states", "nvme", nvme))
+    return Prediction(gpu_alloc, gpu_reserved, host_peak, nvme, parts)

@@ -1,0 +1,172 @@
+"""Inside the fix's prepare(), before DeepSpeed allocates anything: will this training fit the GPU, the host
+memory and (for NVMe offload) the disk? If not, one error that says needed against available, in GiB, and
+which shipped tiers would fit, instead of the kernel's OOM killer hours later with nothing saved.
+
+ACCEL_DS_FIX_MEMORY_CHECK=warn turns the error into a warning (for users who know better); =off skips it.
+The GPU side leaves activations out (only the script knows them): it stops only what cannot fit even so.
+"""
+
+import logging
+import os
+
+import torch
+
+from . import memory, notices
+from .errors import MemoryPlanError
+from .gather import full_numel
+from .merged import hidden_size_of
+
+ENV = "ACCEL_DS_FIX_MEMORY_CHECK"
+GIB = memory.GIB
+TMPFS_MAGIC = 0x01021994
+
+
+def _meminfo(key):
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _rss():
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def workload_of(models, optimizer=None):
+    params = {id(p): p for m in models for p in m.parameters()}.values()
+    trainable = [p for p in params if p.requires_grad]
+    total = sum(full_numel(p) for p in params)
+    weight_bytes = round(sum(full_numel(p) * p.element_size() for p in params) / total) if total else 4
+    groups = ()
+    if isinstance(optimizer, torch.optim.Optimizer):
+        groups = tuple(
+            g for g in (sum(full_numel(p) for p in group["params"] if p.requires_grad) for group in optimizer.param_groups) if g
+        )
+    return memory.Workload(
+        params=total,
+        trainable=sum(full_numel(p) for p in trainable),
+        largest_trainable=max((full_numel(p) for p in trainable), default=0),
+        weight_bytes=weight_bytes,
+        groups=groups,
+    )
+
+
+def _gib(nbytes):
+    return f"{nbytes / GIB:.1f} GiB"
+
+
+class Capacity:
+    """What this process can still use: GPU (bytes or None), host (bytes or None), and the memory it holds."""
+
+    def __init__(self, accelerator, models):
+        self.device = accelerator.device.type
+        self.rss, available = _rss(), _meminfo("MemAvailable")
+        self.host = self.rss + available if self.rss is not None and available is not None else None
+        self.on_host = sum(full_numel(p) * p.element_size() for m in models for p in m.parameters() if p.device.type == "cpu")
+        self.gpu = None
+        if self.device == "cuda":
+            index = accelerator.device.index if accelerator.device.index is not None else torch.cuda.current_device()
+            free, total = torch.cuda.mem_get_info(index)
+            fraction = torch.cuda.get_per_process_memory_fraction(index) if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
+            self.gpu = min(total * fraction, torch.cuda.memory_reserved(index) + free)
+
+    def host_needed(self, prediction):
+        """The process's peak: what it holds now without the models (at least what a CUDA training process
+        holds once its libraries are loaded), plus the larger of the models' weights and DeepSpeed's buffers."""
+        deepspeed = prediction.host  # predicted with a zero baseline
+        if self.device == "cpu":
+            return self.rss - self.on_host + deepspeed
+        return max(self.rss - self.on_host, memory.HOST_BASELINE["cuda"]) + max(self.on_host, deepspeed)
+
+    def shortfalls(self, prediction):
+        problems = []
+        if self.host is not None:
+            need = self.host_needed(prediction)
+            if need > self.host:
+                problems.append(f"host memory: about {_gib(need)} needed at the peak, {_gib(self.host)} available "
+                                f"({_gib(self.rss)} this process holds + {_gib(self.host - self.rss)} free)")
+        if self.gpu is not None and prediction.gpu_reserved > self.gpu:
+            problems.append(f"GPU memory: at least {_gib(prediction.gpu_reserved)} needed before activations, "
+                            f"{_gib(self.gpu)} available to this process")
+        return problems
+
+
+def _nvme_problems(config, prediction):
+    path = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("nvme_path")
+    if not path:
+        return []
+    existing = path
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    problems = []
+    stats = os.statvfs(existing)
+    if stats.f_bavail * stats.f_frsize < prediction.nvme:
+        problems.append(f"disk: the NVMe offload folder {path} needs {_gib(prediction.nvme)}, its disk has "
+                        f"{_gib(stats.f_bavail * stats.f_frsize)} free")
+    try:  # os.statvfs has no filesystem type: the mount table has
+        with open("/proc/mounts", encoding="utf-8") as f:
+            mounts = [line.split() for line in f]
+        real = os.path.realpath(existing)
+        mount = max((m for m in mounts if real == m[1] or real.startswith(m[1].rstrip("/") + "/")),
+                    key=lambda m: len(m[1]), default=None)
+        if mount and mount[2] in ("tmpfs", "ramfs"):
+            problems.append(f"disk: the NVMe offload folder {path} is on {mount[2]} ({mount[1]}), which is host "
+                            "memory: the optimizer states would fill RAM after all. Set nvme_path to a folder on a disk")
+    except OSError:
+        pass
+    return problems
+
+
+def _fitting_tiers(work, accelerator, capacity, hidden):
+    from .tiers import TIERS
+
+    fitting = []
+    for tier in TIERS:
+        settings = memory.Settings.from_config(tier.deepspeed_config(), accelerator.mixed_precision,
+                                               accelerator.num_processes, hidden)
+        if not capacity.shortfalls(memory.predict(work, settings, capacity.device, host_baseline=0)):
+            fitting.append(tier)
+    return fitting
+
+
+def check_before_allocating(plan, config, accelerator):
+    mode = os.environ.get(ENV, "error").strip().lower()
+    if mode in ("off", "0", "false", "no") or accelerator.device.type not in ("cuda", "cpu"):
+        return
+    optimizer = plan.optimizers[0] if plan.optimizers else None
+    work = workload_of(plan.models, optimizer)
+    hidden = max(hidden_size_of(m) for m in plan.models)
+    settings = memory.Settings.from_config(config, accelerator.mixed_precision, accelerator.num_processes, hidden)
+    prediction = memory.predict(work, settings, accelerator.device.type, host_baseline=0)
+    capacity = Capacity(accelerator, plan.models)
+    problems = capacity.shortfalls(prediction) + _nvme_problems(config, prediction)
+    if not problems:
+        return
+    fitting = _fitting_tiers(work, accelerator, capacity, hidden)
+    tiers = (
+        "Shipped configs that would fit: " + ", ".join(f"{t.name} (configs/{t.yaml_name})" for t in fitting)
+        if fitting
+        else "None of the shipped configs fits either: train fewer parameters (LoRA), or on a larger machine"
+    )
+    message = (
+        f"accel_ds_fix: this training will not fit: {'; '.join(problems)}. The DeepSpeed config (ZeRO stage "
+        f"{settings.stage}, optimizer offload {settings.offload_optimizer}, parameter offload "
+        f"{settings.offload_param}) needs that for {work.params / 1e6:.1f}M parameters, {work.trainable / 1e6:.1f}M "
+        f"trainable. {tiers}; `python -m accel_ds_fix plan` shows each with its numbers. Nothing was allocated. "
+        f"Set {ENV}=warn to go on anyway."
+    )
+    if mode == "warn":
+        notices.say(message, level=logging.WARNING)
+    else:
+        raise MemoryPlanError(message)

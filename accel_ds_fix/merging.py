@@ -1,0 +1,75 @@
+"""Accelerator.prepare: the models of one call become one module for one DeepSpeed engine, and each model
+comes back as a proxy. With one model, or without DeepSpeed, accelerate runs untouched."""
+
+import logging
+
+import torch
+
+from . import diagnostics, memory_check, notices, threads, trainability, zero_memory
+from .gather import add_full_weight_hooks
+from .lookup import deepspeed_config, uses_deepspeed
+from .merged import MergedModels
+from .plan import MergePlan
+from .proxy import ModelProxy
+
+
+def _say_if_half_precision_weights(plan):
+    # kohya's --full_fp16 casts the trained models to fp16 before prepare() and then patches
+    # accelerator.scaler, which is None under DeepSpeed. DeepSpeed's own fp16/bf16 mode already keeps fp32
+    # master weights, so the cast buys nothing here.
+    half = [plan.label(i) for i, m in enumerate(plan.models)
+            if any(p.requires_grad and p.dtype in (torch.float16, torch.bfloat16) for p in m.parameters())]
+    if half:
+        notices.say(
+            f"trainable weights of {', '.join(half)} are already in half precision. Under DeepSpeed, train fp32 "
+            "weights with mixed_precision fp16/bf16: DeepSpeed keeps fp32 master weights itself. kohya's "
+            "--full_fp16 (and --full_bf16) cast the models and patch accelerator.scaler, which is None under "
+            "DeepSpeed (AttributeError): drop those flags.",
+            level=logging.WARNING,
+        )
+
+
+def prepare(wrapped, instance, args, kwargs):
+    """Accelerator.prepare: merge 2+ models into one module before DeepSpeed sees them."""
+    if sum(isinstance(obj, torch.nn.Module) for obj in args) < 2 or not uses_deepspeed(instance):
+        return wrapped(*args, **kwargs)
+
+    plan = MergePlan(args)
+    config = deepspeed_config(instance)
+    zero = config.get("zero_optimization", {})
+    offload_device = zero.get("offload_optimizer", {}).get("device", "none")
+    plan.check(offload_device=offload_device, force_cpu_optimizer=config.get("zero_force_ds_cpu_optimizer", True))
+    memory_check.check_before_allocating(plan, config, instance)
+    _say_if_half_precision_weights(plan)
+    if offload_device not in (None, "none"):
+        threads.warn_if_few_for_cpu_optimizer()
+    description = plan.describe(zero.get("stage"))
+    merged = MergedModels(plan.models, plan.names)
+
+    # The merged module takes the first model's place; the other models leave the call.
+    first = plan.positions[0]
+    inner_args = [merged if i == first else obj for i, obj in enumerate(args) if i == first or i not in plan.positions]
+    with zero_memory.building_engine():
+        result = wrapped(*inner_args, **kwargs)
+    result = list(result) if isinstance(result, (tuple, list)) else [result]
+    engine = result[first]
+
+    proxies = {name: ModelProxy(model, engine, name) for name, model in zip(plan.names, plan.models)}
+    handed_back = []
+    remaining = iter(result)
+    for i, obj in enumerate(args):
+        if i in plan.positions:
+            if i == first:
+                next(remaining)
+            handed_back.append(proxies[plan.names[plan.positions.index(i)]])
+        else:
+            handed_back.append(next(remaining))
+    engine._accel_ds_fix_proxies = proxies
+    trainability.remember(engine)
+    # What construction freed after the hook's last release (ZeRO-2's partition clone, ZeRO-3's gathers) goes back too.
+    zero_memory.release_cached_blocks(getattr(engine, "device", None))
+    add_full_weight_hooks(plan.models)  # ZeRO-3 only: state_dict() gives full tensors, never shape [0]
+    diagnostics.watch(zero.get("stage"))
+    if instance.is_main_process:
+        notices.say(description)
+    return tuple(handed_back)

@@ -1,0 +1,25 @@
+"""Say when DeepSpeed compiles one of its C++ ops for the first time: a silent `prepare()` of several minutes
+(cpu_adam for optimizer offload, on 2 cores) looks like a hang."""
+
+import logging
+import os
+import time
+
+from . import notices, ops
+
+
+def announce_first_build(wrapped, instance, args, kwargs):
+    """OpBuilder.jit_load: compiles the op unless torch's extension cache already holds it."""
+    name = getattr(instance, "name", None)
+    announce = bool(name) and os.environ.get("LOCAL_RANK", "0") == "0" and not ops.is_built(name)
+    if announce:
+        notices.say(
+            f"DeepSpeed is compiling its {name} op for the first time: this takes a few minutes, once; later "
+            f"runs load it from {ops.build_directory(name)}.",
+            level=logging.WARNING,
+        )
+    started = time.monotonic()
+    result = wrapped(*args, **kwargs)
+    if announce:
+        notices.say(f"DeepSpeed's {name} op was built in {time.monotonic() - started:.0f} s.", level=logging.WARNING)
+    return result

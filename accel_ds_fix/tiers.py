@@ -1,0 +1,133 @@
+"""The DeepSpeed configurations this package ships and validates (configs/ is written from these), from the
+fastest to the one that needs the least memory. Each is an accelerate YAML + DeepSpeed JSON pair; the
+training script chooses its own mixed precision (``--mixed_precision fp16``), so neither file sets it."""
+
+import dataclasses
+import json
+import os
+
+# Options every tier shares: accelerate fills the "auto" values from the script's own arguments.
+_COMMON = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "fp16": {"enabled": "auto", "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+             "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "steps_per_print": 1000000,
+}
+# ZeRO-3's bucket and gathering sizes for a ~1B-parameter model on a small card (what the GPU runs measured).
+_ZERO3 = {
+    "stage": 3,
+    "contiguous_gradients": True,
+    "overlap_comm": False,
+    "reduce_bucket_size": 50000000,
+    "stage3_prefetch_bucket_size": 50000000,
+    "stage3_param_persistence_threshold": 100000,
+    "stage3_max_live_parameters": 100000000,
+    "stage3_max_reuse_distance": 100000000,
+    "stage3_gather_16bit_weights_on_model_save": True,
+}
+# Where the NVMe tier swaps its optimizer states unless told otherwise: a folder on a disk, not in RAM
+# (/tmp is a tmpfs on several distributions), with room for 16 bytes a trained parameter.
+DEFAULT_NVME_PATH = "/var/tmp/accel_ds_fix_nvme"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tier:
+    name: str
+    title: str
+    zero: dict
+    extra: dict = dataclasses.field(default_factory=dict)
+    caveat: str = ""  # what a user must know before choosing it, said by `plan`
+
+    def deepspeed_config(self, nvme_path=DEFAULT_NVME_PATH):
+        """A fresh copy each call: callers may change it."""
+        config = json.loads(json.dumps({**_COMMON, "zero_optimization": self.zero, **self.extra}))
+        if config["zero_optimization"].get("offload_optimizer", {}).get("device") == "nvme":
+            config["zero_optimization"]["offload_optimizer"]["nvme_path"] = nvme_path
+        return config
+
+    @property
+    def json_name(self):
+        return f"ds_{self.name.replace('-', '_')}.json"
+
+    @property
+    def yaml_name(self):
+        return f"accelerate_{self.name.replace('-', '_')}.yaml"
+
+
+TIERS = [
+    Tier(
+        "zero2-offload",
+        "ZeRO-2, optimizer on the CPU (fp32 master weights and Adam states in host memory)",
+        {
+            "stage": 2,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "contiguous_gradients": True,
+            "overlap_comm": False,
+            "reduce_scatter": True,
+            "reduce_bucket_size": 50000000,
+            "allgather_bucket_size": 50000000,
+        },
+    ),
+    Tier(
+        "zero3-offload",
+        "ZeRO-3, weights and optimizer on the CPU (least GPU memory, most host memory)",
+        {
+            **_ZERO3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "sub_group_size": 100000000,  # one fp32 gradient buffer of this size on the host (1e9 by default)
+        },
+    ),
+    Tier(
+        "zero3-nvme",
+        "ZeRO-3, weights on the GPU, fp32 master weights and Adam states on an NVMe disk (least host memory)",
+        {
+            **_ZERO3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": DEFAULT_NVME_PATH, "pin_memory": True,
+                                  "buffer_count": 4, "fast_init": False},
+            "offload_param": {"device": "none"},
+            "sub_group_size": 50000000,  # swapped in and out one at a time: buffer_count of these pinned
+        },
+        {"aio": {"block_size": 1048576, "queue_depth": 16, "thread_count": 2, "single_submit": False,
+                 "overlap_events": True}},
+        "validated on the CPU only: on the lent GPU machine DeepSpeed 0.19.8's NVMe offload died with a "
+        "segmentation fault in the first step (docs/gpu.md); try a few steps and a resume before a long run",
+    ),
+]
+BY_NAME = {tier.name: tier for tier in TIERS}
+
+
+def accelerate_yaml(deepspeed_config_file):
+    """An accelerate config naming ``deepspeed_config_file``; no mixed_precision (the script sets it)."""
+    return (
+        "# ACCEL_DS_FIX=1 accelerate launch --config_file THIS_FILE train_db.py ... --mixed_precision fp16\n"
+        "compute_environment: LOCAL_MACHINE\n"
+        "distributed_type: DEEPSPEED\n"
+        "deepspeed_config:\n"
+        f"  deepspeed_config_file: {deepspeed_config_file}\n"
+        "  zero3_init_flag: false\n"
+        "num_machines: 1\n"
+        "num_processes: 1\n"
+        "machine_rank: 0\n"
+        "main_training_function: main\n"
+        "use_cpu: false\n"
+    )
+
+
+def write(tier, directory, nvme_path=DEFAULT_NVME_PATH, relative=False):
+    """Write ``tier``'s DeepSpeed JSON and accelerate YAML into ``directory``; return both paths.
+
+    The YAML names the JSON by its absolute path, so it works from any working directory (``relative``: by
+    its bare name, for configs/ in the checkout, which the fix finds beside the YAML)."""
+    os.makedirs(directory, exist_ok=True)
+    json_path = os.path.abspath(os.path.join(directory, tier.json_name))
+    yaml_path = os.path.abspath(os.path.join(directory, tier.yaml_name))
+    with open(json_path, "w", encoding="utf-8") as f:
+        json.dump(tier.deepspeed_config(nvme_path), f, indent=2)
+        f.write("\n")
+    with open(yaml_path, "w", encoding="utf-8") as f:
+        f.write(accelerate_yaml(tier.json_name if relative else json_path))
+    return yaml_path, json_path

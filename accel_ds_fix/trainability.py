@@ -1,0 +1,115 @@
+"""Which parameters DeepSpeed trains is fixed when prepare() builds the engine: its optimizer owns the
+parameters that were trainable then. Scripts that turn ``requires_grad`` on or off later (text-encoder
+embeddings in several LoRA scripts) get neither what they asked for nor a word about it, and DeepSpeed's
+checkpoint then records the frozen parameters of save time but looks up those of load time (KeyError)."""
+
+import contextlib
+import logging
+
+from . import notices
+from .gather import full_numel
+from .lookup import merged_engine
+
+
+def _optimized(param):
+    # DeepSpeed's runtime.utils.is_optimized_parameter: trainable, with at least one element.
+    return param.requires_grad and full_numel(param) > 0
+
+
+def remember(engine):
+    """Record which parameters the engine's optimizer took (called right after prepare() built it)."""
+    params = list(engine.module.parameters())
+    engine._accel_ds_fix_trained = {id(p) for p in params if _optimized(p)}
+    engine._accel_ds_fix_params = params
+    engine._accel_ds_fix_flags = tuple(p.requires_grad for p in params)
+
+
+def backward(wrapped, instance, args, kwargs):
+    """Accelerator.backward: notice requires_grad changes made after prepare() (a flag comparison per step)."""
+    result = wrapped(*args, **kwargs)
+    engine = merged_engine(instance)
+    if engine is not None and not getattr(engine, "_accel_ds_fix_trainability_said", False):
+        flags = tuple(p.requires_grad for p in engine._accel_ds_fix_params)
+        if flags != engine._accel_ds_fix_flags:
+            engine._accel_ds_fix_flags = flags
+            warn_if_changed(engine)
+    return result
+
+
+def frozen_names(merged):
+    """Names (``models.<name>.<param>``) of the parameters DeepSpeed's checkpoint stores as frozen right now."""
+    return [n for n, p in merged.named_parameters() if not _optimized(p)]
+
+
+def _changed(engine):
+    trained = getattr(engine, "_accel_ds_fix_trained", None)
+    if trained is None:
+        return [], []
+    turned_on, turned_off = [], []
+    for name, param in engine.module.named_parameters():
+        if full_numel(param) == 0:
+            continue
+        owned = id(param) in trained
+        if param.requires_grad and not owned:
+            turned_on.append(name)
+        elif owned and not param.requires_grad:
+            turned_off.append(name)
+    return turned_on, turned_off
+
+
+def _listed(names):
+    shown = ", ".join(names[:5])
+    return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def warn_if_changed(engine):
+    """Say once per engine when parameters changed requires_grad after prepare()."""
+    if getattr(engine, "_accel_ds_fix_trainability_said", False):
+        return
+    turned_on, turned_off = _changed(engine)
+    if not (turned_on or turned_off):
+        return
+    engine._accel_ds_fix_trainability_said = True
+    parts = []
+    if turned_on:
+        parts.append(
+            f"{len(turned_on)} parameter(s) were made trainable after accelerator.prepare() ({_listed(turned_on)}): "
+            "DeepSpeed's optimizer does not own them, so they are not updated"
+        )
+    if turned_off:
+        parts.append(
+            f"{len(turned_off)} parameter(s) were frozen after accelerator.prepare() ({_listed(turned_off)}): "
+            "DeepSpeed's optimizer still owns and steps them"
+        )
+    notices.say(
+        "; ".join(parts) + ". DeepSpeed fixes the trained parameters when prepare() builds the engine: set "
+        "requires_grad on every parameter before accelerator.prepare() (and put the trainable ones in the "
+        "optimizer). Checkpoints still save and resume.",
+        level=logging.WARNING,
+    )
+
+
+@contextlib.contextmanager
+def as_saved(merged, frozen_at_save):
+    """While DeepSpeed loads a checkpoint, freeze exactly the parameters that were frozen when it was saved.
+
+    DeepSpeed stores the frozen parameters at save time and, on load, looks up every parameter frozen at load
+    time; a parameter whose requires_grad changed in between would raise KeyError halfway through the load.
+    """
+    if frozen_at_save is None:  # a checkpoint of an earlier format: DeepSpeed's own behaviour
+        yield
+        return
+    frozen_at_save = set(frozen_at_save)
+    flipped = []
+    for name, param in merged.named_parameters():
+        if full_numel(param) == 0:
+            continue  # always stored as frozen, whatever requires_grad says
+        should_train = name not in frozen_at_save
+        if param.requires_grad != should_train:
+            param.requires_grad_(should_train)
+            flipped.append(param)
+    try:
+        yield
+    finally:
+        for param in flipped:
+            param.requires_grad_(not param.requires_grad)
