@@ -28,10 +28,10 @@ def clean_env(**extra):
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def run(cmd, env=None, timeout=600, check=True):
+def run(cmd, env=None, timeout=600, check=True, cwd=ROOT):
     def once():
         return subprocess.run(
-            [str(c) for c in cmd], env=env or clean_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT
+            [str(c) for c in cmd], env=env or clean_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd
         )
 
     proc = once()

@@ -154,6 +154,182 @@ def already_prepared(reference):
 
 
 @scenario
+def model_passed_twice(reference):
+    acc = accelerator()
+    unet, te, opt = models_and_optimizer()
+    acc.prepare(unet, te, unet, opt, data())
+
+
+@scenario
+def merge_line_without_logging(reference):
+    # No logging configured at all, as in many training scripts: the merge must still be said (stderr).
+    acc = accelerator()
+    unet, te, opt = models_and_optimizer()
+    acc.prepare(unet, te, opt, data())
+
+
+@scenario
+def zero3_partitioned_at_load(reference):
+    # A model created under zero.Init, as transformers does with HfDeepSpeedConfig under ZeRO-3: its
+    # parameters are already shape-[0] shards before prepare(); counts must use the full sizes.
+    import deepspeed
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="LOG %(name)s %(message)s")
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3}}
+    acc = accelerator(config=config)
+    set_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        te = TinyTextEncoder()
+    shard_numel = sum(p.numel() for p in te.parameters())
+    unet = TinyUNet()
+    opt = torch.optim.AdamW([*unet.parameters(), *te.parameters()], lr=1e-2)
+    unet, te, opt, dl = acc.prepare(unet, te, opt, data())
+    losses = train(acc, lambda ids, lat: unet(lat, te(ids)), opt, dl, (unet, te))
+    return {"losses": losses, "shard_numel": shard_numel}
+
+
+@scenario
+def bnb_8bit_with_offload(reference):
+    # bitsandbytes' AdamW8bit under optimizer offload: refused by default (accelerate would swap it for
+    # DeepSpeedCPUAdam); with "zero_force_ds_cpu_optimizer": false DeepSpeed steps it on the CPU copy.
+    import bitsandbytes as bnb
+
+    single_process_env()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    if "--not-forced" in sys.argv:
+        config["zero_force_ds_cpu_optimizer"] = False
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    unet, te, _ = models_and_optimizer()
+    opt = bnb.optim.AdamW8bit([*unet.parameters(), *te.parameters()], lr=1e-2, min_8bit_size=16)
+    unet, te, opt, dl = acc.prepare(unet, te, opt, data())
+    losses = train(acc, lambda ids, lat: unet(lat, te(ids)), opt, dl, (unet, te))
+    inner = acc._models[0].optimizer.optimizer
+    state_dtypes = sorted({str(v.dtype) for st in inner.state.values() for v in st.values() if torch.is_tensor(v)})
+    return {"losses": losses, "optimizer": type(inner).__name__, "state_dtypes": state_dtypes}
+
+
+@scenario
+def offload_threads(reference):
+    single_process_env()
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, offload_optimizer_device="cpu"))
+    unet, te, opt = models_and_optimizer()
+    acc.prepare(unet, te, opt, data())
+    return {"threads": torch.get_num_threads()}
+
+
+@scenario
+def too_large_for_host(reference):
+    # 3 billion parameters on the meta device: nothing is allocated, but DeepSpeed's host buffers would need
+    # about 50 GiB under ZeRO-2 + CPU offload, more than this machine has.
+    single_process_env()
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, offload_optimizer_device="cpu"))
+    with torch.device("meta"):
+        unet, te = torch.nn.Linear(50000, 50000), torch.nn.Linear(10000, 50000)
+    opt = torch.optim.AdamW([*unet.parameters(), *te.parameters()], lr=1e-2)
+    acc.prepare(unet, te, opt, data())
+
+
+@scenario
+def grad_read_after_backward(reference):
+    # Textual-inversion-style scripts mask the gradient of every embedding row but the new token's.
+    acc = accelerator(zero_stage=int(sys.argv[2]))
+    unet, te, opt = models_and_optimizer()
+    unet, te, opt, dl = acc.prepare(unet, te, opt, data())
+    ids, latents = next(iter(dl))
+    acc.backward(torch.nn.functional.mse_loss(unet(latents, te(ids)), latents))
+    if "--safe" in sys.argv:  # what the explanation recommends instead
+        from deepspeed.utils import safe_get_full_grad
+
+        full = safe_get_full_grad(acc.unwrap_model(te).embed.weight)
+        return {"shape": list(full.shape), "nonzero": bool(full.abs().sum() > 0)}
+    grads = acc.unwrap_model(te).embed.weight.grad
+    grads[1:] = 0  # fails: under ZeRO-2/3 DeepSpeed holds the gradients
+
+
+@scenario
+def masked_gradient_rows(reference):
+    # The way out for scripts that mask gradients: a hook on the parameter, registered before prepare(),
+    # changes the gradient before DeepSpeed takes it (accelerator.backward() also steps under DeepSpeed).
+    acc = accelerator(zero_stage=int(sys.argv[2]))
+    unet, te, _ = models_and_optimizer()
+    keep = torch.zeros(VOCAB, 1)
+    keep[2] = 1.0  # only the "new token" row (one the data uses) trains
+    if "--no-hook" not in sys.argv:
+        te.embed.weight.register_hook(lambda grad: grad * keep)
+    before = te.embed.weight.detach().clone()
+    opt = torch.optim.AdamW([*unet.parameters(), *te.parameters()], lr=1e-2, weight_decay=0.0)
+    unet, te, opt, dl = acc.prepare(unet, te, opt, data())
+    train(acc, lambda ids, lat: unet(lat, te(ids)), opt, dl, (unet, te))
+    after = acc.get_state_dict(te)["embed.weight"].float()
+    moved = (after - before).abs().sum(dim=1) > 0
+    return {"rows_changed": [int(i) for i in torch.nonzero(moved).flatten()]}
+
+
+@scenario
+def restored_weight_rows(reference):
+    # Textual inversion restores every embedding row but the new token's after each step. Under ZeRO the
+    # optimizer's fp32 copy is what trains: write it with safe_set_full_fp32_param (a collective).
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+    acc = accelerator(zero_stage=int(sys.argv[2]))
+    unet, te, opt = models_and_optimizer()
+    before = te.embed.weight.detach().clone()
+    unet, te, opt, dl = acc.prepare(unet, te, opt, data())
+    weight = acc.unwrap_model(te).embed.weight
+    for ids, latents in dl:
+        acc.backward(torch.nn.functional.mse_loss(unet(latents, te(ids)), latents))
+        opt.step()
+        opt.zero_grad()
+        full = safe_get_full_fp32_param(weight)
+        full[torch.arange(VOCAB) != 2] = before[torch.arange(VOCAB) != 2]
+        safe_set_full_fp32_param(weight, full)
+    after = safe_get_full_fp32_param(weight)  # the trained copy; the module's weights follow at the next step
+    moved = (after - before).abs().sum(dim=1) > 0
+    return {"rows_changed": [int(i) for i in torch.nonzero(moved).flatten()]}
+
+
+@scenario
+def weight_write_outside_forward(reference):
+    acc = accelerator(zero_stage=3)
+    unet, te, opt = models_and_optimizer()
+    unet, te, opt, dl = acc.prepare(unet, te, opt, data())
+    with torch.no_grad():
+        acc.unwrap_model(te).embed.weight[2] = 0.0  # a shape-[0] shard under ZeRO-3
+
+
+@scenario
+def save_after_end_training(reference):
+    # kohya's train_db.py / train_network.py: accelerator.end_training(), then the final save_state and model save.
+    acc = accelerator(zero_stage=int(sys.argv[2]))
+    unet, te, opt = models_and_optimizer()
+    unet, te, opt, dl = acc.prepare(unet, te, opt, data())
+    train(acc, lambda ids, lat: unet(lat, te(ids)), opt, dl, (unet, te))
+    acc.end_training()
+    acc.save_state(sys.argv[3])
+    state = acc.get_state_dict(te)
+    return {"saved": sorted(os.listdir(sys.argv[3])), "te_shapes": [list(v.shape) for v in state.values()][:2]}
+
+
+@scenario
+def single_model_hooks(reference):
+    # Nothing merged: hooks are registered and called exactly as without the package.
+    acc = accelerator()
+    seen = {}
+
+    def save_hook(models, weights, output_dir):
+        seen["models_is_accelerators_list"] = models is acc._models
+        seen["weights"] = len(weights)
+
+    acc.register_save_state_pre_hook(save_hook)
+    seen["stored_is_users_function"] = list(acc._save_model_state_pre_hook.values()) == [save_hook]
+    unet = TinyUNet()
+    engine, opt, dl = acc.prepare(unet, torch.optim.AdamW(unet.parameters()), data())
+    acc.save_state(sys.argv[2])
+    return seen
+
+
+@scenario
 def one_model(reference):
     acc = accelerator()
     unet = TinyUNet()
@@ -231,9 +407,10 @@ def hooks_and_helpers(reference):
         seen["save_hook_models"] = [m.__class__.__name__ for m in models]
         seen["save_hook_isinstance"] = [isinstance(models[0], TinyUNet), isinstance(models[1], TinyTextEncoder)]
         seen["save_hook_unwraps"] = [acc.unwrap_model(m) is orig for m, orig in zip(models, originals)]
+        seen["save_hook_weights"] = len(weights)
 
     def load_hook(models, input_dir):
-        seen["load_hook_models"] = len(models)
+        seen["load_hook_models"] = [m.__class__.__name__ for m in models]
 
     acc.register_save_state_pre_hook(save_hook)
     acc.register_load_state_pre_hook(load_hook)

@@ -50,8 +50,9 @@ def test_resume_with_other_models_fails_before_loading(train, scenario, tmp_path
     assert proc.returncode != 0
     assert (
         "cannot resume from " + str(tmp_path / "ckpt") + ": it holds tinyunet (TinyUNet), tinytextencoder "
-        "(TinyTextEncoder), but this run merged tinyunet (TinyUNet), linear (Linear). Not passed to prepare() now: "
-        "tinytextencoder. not in the checkpoint: linear. Nothing was loaded."
+        "(TinyTextEncoder), but this run merged tinyunet (TinyUNet), linear (Linear). in the checkpoint but not "
+        "passed to prepare() now: tinytextencoder (TinyTextEncoder); passed to prepare() now but not in the "
+        "checkpoint: linear (Linear). Nothing was loaded."
     ) in proc.stderr
 
 
@@ -62,15 +63,30 @@ def test_resume_from_checkpoint_without_manifest_is_refused(train, scenario, tmp
     assert "has no accel_ds_fix.json, so it was not saved by accelerator.save_state() from models merged" in proc.stderr
 
 
+def test_hooks_without_merge_are_accelerates_own(scenario, tmp_path):
+    out = json.loads(scenario("single_model_hooks", str(tmp_path / "ckpt")).stdout.strip().splitlines()[-1])
+    assert out == {"stored_is_users_function": True, "models_is_accelerators_list": True, "weights": 0}
+
+
 def test_hooks_clipping_and_free_memory(scenario, tmp_path):
     proc = scenario("hooks_and_helpers", str(tmp_path / "ckpt"))
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["save_hook_models"] == ["TinyUNet", "TinyTextEncoder"]
     assert out["save_hook_isinstance"] == [True, True]
     assert out["save_hook_unwraps"] == [True, True]
-    assert out["load_hook_models"] == 0  # DeepSpeed's checkpoint already restored them, as accelerate does
+    assert out["save_hook_weights"] == 2  # one entry per model, as accelerate gives without DeepSpeed
+    assert out["load_hook_models"] == ["TinyUNet", "TinyTextEncoder"]  # the models, in argument order
     assert out["grad_norm_is_number"] is True
     assert out["freed"] == {"models": 0, "engine_wrapped": None, "returned": [None, None, None]}
     warnings = [line for line in proc.stderr.splitlines() if "does not clip under DeepSpeed" in line]
     assert len(warnings) == 1
     assert "gradient_clipping=1.0 from the DeepSpeed config, so max_norm=0.5 is not applied" in warnings[0]
+
+
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_state_and_weights_save_after_end_training(scenario, tmp_path, stage):
+    # kohya's scripts call end_training() before their final save_state and model save; accelerate >= 0.34
+    # destroys the process group there, which DeepSpeed's checkpointing (and ZeRO-3's gathering) need.
+    out = json.loads(scenario("save_after_end_training", stage, str(tmp_path / "final")).stdout.strip().splitlines()[-1])
+    assert "accel_ds_fix.json" in out["saved"] and "pytorch_model" in out["saved"]
+    assert out["te_shapes"] == [[32, 16], [16, 16]]

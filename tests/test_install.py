@@ -82,10 +82,50 @@ def test_env_var_unset_imports_nothing_at_startup():
     assert out == ["[]"]
 
 
-@pytest.mark.parametrize("value, active", [("1", True), ("true", True), ("0", False), ("off", False), ("", False)])
+ACTIVE_AFTER_ACCELERATE = "import accelerate, sys; m = sys.modules.get('accel_ds_fix'); print(bool(m and m.is_installed()))"
+
+
+@pytest.mark.parametrize("value, active", [("1", True), ("true", True), ("Yes", True), ("on", True),
+                                           ("0", False), ("off", False), ("no", False), ("", False)])
 def test_env_var_values(value, active):
-    out = python("import sys; print('accel_ds_fix' in sys.modules)", ACCEL_DS_FIX=value)
-    assert out == [str(active)]
+    proc = run([sys.executable, "-c", ACTIVE_AFTER_ACCELERATE], env=clean_env(ACCEL_DS_FIX=value))
+    assert proc.stdout.split()[-1] == str(active)
+    assert "accel_ds_fix" not in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["garbage", "flase", "2"])
+def test_unrecognised_env_var_warns_once_and_leaves_the_fix_off(value):
+    # A child process (as `accelerate launch` starts) inherits the variable and stays quiet: said once.
+    code = ACTIVE_AFTER_ACCELERATE + "; import subprocess; subprocess.run([sys.executable, '-c', 'pass'])"
+    proc = run([sys.executable, "-c", code], env=clean_env(ACCEL_DS_FIX=value))
+    assert proc.stdout.split()[-1] == "False"
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("accel_ds_fix:")]
+    assert warnings == [
+        f"accel_ds_fix: ACCEL_DS_FIX={value!r} is not understood, so the fix stays off. Use one of 1, true, yes, "
+        "on to turn it on, or one of '', '0', 'false', 'no', 'off' (or unset) for off."
+    ]
+
+
+def test_env_var_activates_lazily_on_first_accelerate_import():
+    # A process that never imports accelerate or DeepSpeed pays for nothing but reading the variable.
+    out = python("""
+        import sys
+        print(sorted(m for m in ('accel_ds_fix', 'wrapt') if m in sys.modules))
+        import accelerate
+        print(sys.modules['accel_ds_fix'].is_installed())
+    """, ACCEL_DS_FIX="1")
+    assert out == ["[]", "True"]
+
+
+def test_untested_version_warning_names_the_users_import_line(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import accel_ds_fix.versions as v\n"
+        "v.SUPPORTED['accelerate'] = ('0.1.0', '0.2.0')  # pretend the installed release is untested\n"
+        "import accelerate\n"
+    )
+    proc = run([sys.executable, script], env=clean_env())
+    assert f"{script}:3: RuntimeWarning: accel_ds_fix is tested with accelerate 0.1.0 to 0.2.0" in proc.stderr
 
 
 def test_untested_versions_are_named_with_the_fix():
@@ -106,6 +146,19 @@ def test_old_accelerate_on_cpu_is_explained():
     message = versions.cpu_limit("0.19.1", cuda_available=False)
     assert "accelerate 0.19.1 runs DeepSpeed on CUDA devices only" in message
     assert "use accelerate >= 0.29.0" in message
+
+
+def test_report_says_whether_the_fix_is_active():
+    off = run([sys.executable, "-m", "accel_ds_fix"], env=clean_env()).stdout
+    on = run([sys.executable, "-m", "accel_ds_fix"], env=clean_env(ACCEL_DS_FIX="1")).stdout
+    for out in (off, on):
+        assert f"accelerate    {versions.installed_version('accelerate')}" in out
+        assert "tested (tested 0.15.0 to 1.16.0)" in out
+        assert "accel_ds_fix.pth:  /" in out and "DeepSpeed cpu_adam op:" in out
+        assert "CUDA devices:" in out and "CPU threads:" in out
+    assert "ACCEL_DS_FIX:      unset" in off and "fix active:        no: set ACCEL_DS_FIX=1" in off
+    assert "ACCEL_DS_FIX:      '1': on" in on
+    assert "fix active:        yes: a script started with this environment gets the fix" in on
 
 
 def test_installed_stack_gives_no_version_warning():

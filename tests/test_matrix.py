@@ -1,6 +1,6 @@
 """The core two-model test against older accelerate/DeepSpeed releases, each in its own venv (.venvs/<point>).
 
-The newest point (accelerate 1.15 + DeepSpeed 0.19.8) is the suite's own .venv. accelerate before 0.29 runs
+The newest point (accelerate 1.16 + DeepSpeed 0.19.8) is the suite's own .venv. accelerate before 0.29 runs
 DeepSpeed only on CUDA/XPU devices (AcceleratorState calls torch.cuda.set_device), so those releases are
 checked on a GPU by bench/old_accelerate.sh, not here. DeepSpeed before 0.14.4 does not import with torch 2.13
 (torch.distributed.elastic lost `log` and `_get_socket_with_port`).
@@ -20,6 +20,8 @@ MATRIX = {
     "accelerate-0.29.0-deepspeed-0.14.4": ["accelerate==0.29.0", "deepspeed==0.14.4", "pydantic<2", "transformers==4.44.2"],
     # the last 0.x accelerate, with the newest DeepSpeed
     "accelerate-0.34.2-deepspeed-0.19.8": ["accelerate==0.34.2", "deepspeed==0.19.8", "transformers==4.44.2"],
+    # the release before the main stack's (constraints.txt: accelerate 1.16.0)
+    "accelerate-1.15.0-deepspeed-0.19.8": ["accelerate==1.15.0", "deepspeed==0.19.8", "transformers"],
 }
 CORE_TESTS = "zero2] or zero3] or zero2-cpu-offload] or without_fix"
 

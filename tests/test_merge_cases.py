@@ -1,8 +1,11 @@
 """Edge cases of merging, each in its own process on the real stack."""
 
 import json
+import sys
 
 import pytest
+
+from conftest import SCENARIOS
 
 
 def result(proc):
@@ -29,9 +32,27 @@ def test_two_optimizers_is_refused_with_reason(scenario):
 def test_optimizer_params_outside_models_are_named(scenario):
     proc = scenario("stray_params", check=False)
     assert proc.returncode != 0
-    assert "the optimizer holds 2 parameter(s) that belong to none of the 2 models" in proc.stderr
-    assert "shapes: (5, 3), (5,)" in proc.stderr
+    assert (
+        "the optimizer holds 2 parameter(s) that belong to none of the 2 models passed to prepare(): tinyunet "
+        "(TinyUNet, argument 1 of prepare()), tinytextencoder (TinyTextEncoder, argument 2 of prepare()) "
+        "(shapes: (5, 3), (5,))"
+    ) in proc.stderr
     assert "KeyError" not in proc.stderr
+
+
+def test_bitsandbytes_8bit_under_offload_is_refused_and_the_way_out_trains(scenario):
+    proc = scenario("bnb_8bit_with_offload", check=False)
+    assert proc.returncode != 0
+    assert (
+        "the optimizer is bitsandbytes.optim.adamw.AdamW8bit, but the DeepSpeed config offloads the optimizer to "
+        "cpu: DeepSpeed's optimizer offload steps with its own 32-bit CPU optimizers"
+    ) in proc.stderr
+    assert '"zero_force_ds_cpu_optimizer": false' in proc.stderr
+    # The suggestion works: DeepSpeed steps bitsandbytes' AdamW8bit itself, with 8-bit states, and it trains.
+    out = result(scenario("bnb_8bit_with_offload", "--not-forced"))
+    assert out["optimizer"] == "AdamW8bit"
+    assert "torch.uint8" in out["state_dtypes"]
+    assert out["losses"][-1] < out["losses"][0]
 
 
 def test_optimizer_without_cpu_version_under_offload_is_refused(scenario):
@@ -48,7 +69,7 @@ def test_half_precision_weights_are_explained(scenario):
     assert result(proc) == {"scaler": "None"}  # what kohya's --full_fp16 patch would dereference
     warnings = [line for line in proc.stderr.splitlines() if "already in half precision" in line]
     assert warnings == [
-        "LOG accel_ds_fix WARNING trainable weights of tinyunet are already in half precision. Under DeepSpeed, "
+        "LOG accel_ds_fix WARNING trainable weights of tinyunet (TinyUNet, argument 1 of prepare()) are already in half precision. Under DeepSpeed, "
         "train fp32 weights with mixed_precision fp16/bf16: DeepSpeed keeps fp32 master weights itself. kohya's "
         "--full_fp16 (and --full_bf16) cast the models and patch accelerator.scaler, which is None under "
         "DeepSpeed (AttributeError): drop those flags."
@@ -58,7 +79,58 @@ def test_half_precision_weights_are_explained(scenario):
 def test_preparing_proxies_again_is_refused(scenario):
     proc = scenario("already_prepared", check=False)
     assert proc.returncode != 0
-    assert "TinyUNet, TinyTextEncoder was already prepared by accelerate" in proc.stderr
+    assert (
+        "tinyunet (TinyUNet, argument 1 of prepare()) and tinytextencoder (TinyTextEncoder, argument 2 of "
+        "prepare()) were already prepared by accelerate"
+    ) in proc.stderr
+
+
+def test_model_passed_twice_is_refused(scenario):
+    proc = scenario("model_passed_twice", check=False)
+    assert proc.returncode != 0
+    assert "arguments 1 and 3 of prepare() are the same TinyUNet object (tinyunet)" in proc.stderr
+    assert "pass every model exactly once" in proc.stderr
+
+
+def test_merge_is_said_on_stderr_without_logging(scenario):
+    proc = scenario("merge_line_without_logging")
+    assert (
+        "accel_ds_fix: merged 2 models into one DeepSpeed engine (ZeRO stage 2): tinyunet (TinyUNet, 552 params, "
+        "552 trainable), tinytextencoder (TinyTextEncoder, 816 params, 816 trainable)"
+    ) in proc.stderr.splitlines()
+
+
+def test_zero3_models_partitioned_before_prepare_count_full_sizes(scenario):
+    proc = scenario("zero3_partitioned_at_load")
+    out = result(proc)
+    assert out["shard_numel"] == 0  # the text encoder's parameters are ZeRO-3 shards, as HfDeepSpeedConfig makes them
+    assert "tinytextencoder (TinyTextEncoder, 816 params, 816 trainable)" in proc.stderr
+    assert out["losses"][-1] != out["losses"][0]
+
+
+def test_few_cpu_threads_under_offload_are_said(scenario):
+    from conftest import clean_env, run
+    from accel_ds_fix.threads import cores_per_process
+
+    if cores_per_process() < 2:
+        pytest.skip("one core: nothing more to use")
+    proc = run([sys.executable, SCENARIOS, "offload_threads"], env=clean_env(OMP_NUM_THREADS="1"))
+    assert result(proc) == {"threads": 1}
+    said = [line for line in proc.stderr.splitlines() if "CPU optimizer (optimizer offload) will step on" in line]
+    assert len(said) == 1
+    cores = cores_per_process()
+    assert f"will step on 1 CPU thread(s), but this process may use {cores} cores" in said[0]
+    assert f"--num_cpu_threads_per_process {cores} to accelerate launch, or set OMP_NUM_THREADS={cores}" in said[0]
+
+
+def test_training_too_large_for_the_host_stops_before_allocating(scenario):
+    proc = scenario("too_large_for_host", check=False)
+    assert proc.returncode != 0
+    line = next(line for line in proc.stderr.splitlines() if "MemoryPlanError: accel_ds_fix:" in line)
+    assert "accel_ds_fix: this training will not fit: host memory: about " in line
+    assert "GiB needed at the peak" in line and "GiB available" in line
+    assert "3000.1M parameters, 3000.1M trainable" in line
+    assert "Nothing was allocated. Set ACCEL_DS_FIX_MEMORY_CHECK=warn to go on anyway." in line
 
 
 def test_one_model_is_left_to_accelerate(scenario):

@@ -8,7 +8,17 @@ import pytest
 
 from conftest import ROOT, clean_env, run
 
-PROBE = "import sys; m = sys.modules.get('accel_ds_fix'); print(m is not None and m.is_installed())"
+# The .pth activates the fix when accelerate is first imported (this venv has no accelerate: the import fails
+# after the fix has been imported, which is all this needs).
+PROBE = """
+import sys
+try:
+    import accelerate
+except ImportError:
+    pass
+m = sys.modules.get('accel_ds_fix')
+print(m is not None and m.is_installed())
+"""
 
 
 @pytest.mark.parametrize("editable", [False, True], ids=["wheel", "editable"])
@@ -32,6 +42,8 @@ def test_broken_activation_is_reported_not_raised(tmp_path):
     broken.mkdir()
     (broken / "__init__.py").write_text("raise RuntimeError('boom')\n")
     env = clean_env(ACCEL_DS_FIX="1", PYTHONPATH=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", "print('alive')"], env=env, capture_output=True, text=True)
+    code = "try:\n    import accelerate\nexcept ImportError:\n    pass\nprint('alive')"
+    # cwd: not the checkout, whose own accel_ds_fix would be found first (activation happens after start-up)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip() == "alive"
     assert "accel_ds_fix: ACCEL_DS_FIX is set, but the fix could not be activated: RuntimeError('boom')" in proc.stderr

@@ -1,0 +1,58 @@
+"""The README's commands, run as written where a CPU machine can (the `accelerate launch` lines are run with
+the shipped configs by test_user_path.py, the install lines by test_packaging.py)."""
+
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import accel_ds_fix
+from conftest import ROOT, clean_env, run
+
+README = (ROOT / "README.md").read_text()
+BIN = Path(sys.executable).parent
+
+
+def commands():
+    blocks = re.findall(r"```bash\n(.*?)```", README, re.S)
+    return [line.split("  #")[0].strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def test_plan_commands_run_as_written():
+    plan = next(c for c in commands() if c.startswith("python -m accel_ds_fix plan --params"))
+    proc = run([BIN / "python", *plan.split()[1:]], env=clean_env())
+    assert "recommended: zero3-nvme" in proc.stdout
+    report = next(c for c in commands() if c == "python -m accel_ds_fix")
+    assert "fix active:" in run([BIN / "python", *report.split()[1:]], env=clean_env()).stdout
+
+
+def test_wheel_command_builds_the_file_the_readme_installs(tmp_path):
+    build, install = next(c for c in commands() if c.startswith("pip wheel")).split(" && ")
+    wheel = install.split()[-1]
+    assert wheel == f"dist/accel_ds_fix-{accel_ds_fix.__version__}-py3-none-any.whl"
+    # The build as written, in a copy of the sources (no dist/ in the checkout), with this venv's pip.
+    subprocess.run(["cp", "-r", *[str(ROOT / p) for p in ("setup.py", "setup.cfg", "pyproject.toml", "README.md",
+                                                         "accel_ds_fix")], str(tmp_path)], check=True)
+    proc = subprocess.run(build.replace("pip", f"{BIN / 'python'} -m pip", 1), shell=True, cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with zipfile.ZipFile(tmp_path / wheel) as built:
+        assert "accel_ds_fix.pth" in built.namelist() and "accel_ds_fix/cli.py" in built.namelist()
+
+
+def test_demo_fails_without_the_fix_and_trains_with_it():
+    proc = subprocess.run([ROOT / "scripts" / "demo.sh"], capture_output=True, text=True, env=clean_env(), timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "AssertionError: You can't use same `Accelerator()` instance with multiple models" in proc.stdout
+    assert "OK: fails without the fix, trains with it" in proc.stdout
+
+
+def test_startup_bench_runs():
+    proc = run([BIN / "python", ROOT / "bench" / "startup.py", "--pairs", "3"], env=clean_env())
+    assert "cost of the variable: median" in proc.stdout and "ratio set/unset: median" in proc.stdout
+
+
+def test_files_and_links_the_readme_names_exist():
+    for path in set(re.findall(r"\b((?:configs|docs|bench|scripts|examples|accel_ds_fix)/[\w./-]+\.(?:yaml|json|md|py|sh))", README)):
+        assert (ROOT / path).exists(), path

@@ -1,0 +1,39 @@
+"""What cannot work under ZeRO the way a script wrote it (gradients read between backward and step, weights
+written outside forward) is said after the traceback, and the ways out the message names do work."""
+
+import json
+
+import pytest
+
+
+def result(proc):
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_gradient_read_after_backward_is_explained(scenario):
+    proc = scenario("grad_read_after_backward", "2", check=False)
+    assert proc.returncode != 0
+    assert "TypeError: 'NoneType' object does not support item assignment" in proc.stderr
+    assert (
+        "accel_ds_fix: the failing code reads a parameter's .grad, which is None here: under accelerate + "
+        "DeepSpeed, accelerator.backward() runs DeepSpeed's backward and its optimizer step at once"
+    ) in proc.stderr
+
+
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_a_parameter_hook_masks_gradients_under_zero(scenario, stage):
+    # The way out the message names: only the row the hook lets through trains.
+    assert result(scenario("masked_gradient_rows", stage)) == {"rows_changed": [2]}
+
+
+def test_weight_write_outside_forward_under_zero3_is_explained(scenario):
+    proc = scenario("weight_write_outside_forward", check=False)
+    assert proc.returncode != 0
+    assert "IndexError: index 2 is out of bounds for dimension 0 with size 0" in proc.stderr
+    assert "accel_ds_fix: under DeepSpeed ZeRO stage 3 each weight is a shape-[0] shard outside forward" in proc.stderr
+
+
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_safe_set_full_fp32_param_writes_the_trained_copy(scenario, stage):
+    # Textual inversion's "restore every row but the new token's after each step", done the ZeRO way.
+    assert result(scenario("restored_weight_rows", stage)) == {"rows_changed": [2]}
