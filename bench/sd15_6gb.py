@@ -1,19 +1,22 @@
 """SD1.5-architecture DreamBooth step (UNet + CLIP-L text encoder, random weights, 512 px, batch 1, fp16,
-gradient checkpointing) on one GPU capped at --cap-gib, side by side in one run:
+gradient checkpointing, AdamW at lr 1e-6) on one GPU capped at --cap-gib, each variant in its own process:
 
-  plain           accelerate without DeepSpeed, torch AdamW         (expected: OOM under a 6 GiB cap)
-  plain-uncapped  the same without the cap, for its real peak
-  hand            a hand-written merged module, accelerate's default ZeRO-2 + CPU optimizer offload
-  hand-gc         the same with PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.6
-  fix             prepare(unet, text_encoder, ...) with accel_ds_fix, the same config as `hand`
-  fix-tuned       the fix with configs/ds_zero2_offload_6gb.json
-  fix-zero3       the fix with configs/ds_zero3_offload.json (parameters offloaded too)
+  plain             accelerate without DeepSpeed, torch AdamW          (expected: OOM under a 6 GiB cap)
+  plain-uncapped    the same without the cap, for its real peak
+  hand              a hand-written merged module, accelerate's default ZeRO-2 + CPU optimizer offload
+  hand-gc           the same with PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.6
+  fix               prepare(unet, text_encoder, ...) with accel_ds_fix, the same config as `hand`
+  zero2-offload     the fix with the shipped tier of that name (configs/); zero3-offload, zero3-nvme likewise
+  zero2-fp16-master zero2-offload with fp16 master weights and gradients (DeepSpeed's fp16_master_weights_and_grads)
+  lora              LoRA rank 8 on UNet + text encoder (peft), frozen fp16 base, plain accelerate, torch AdamW
+  lora-zero2        the same LoRA through the fix under ZeRO-2 (no offload)
 
-Each variant runs in its own process (one DeepSpeed engine per process); this script prints peak GPU memory
-(allocated/reserved; reserved split into engine construction and training), peak host RSS, median step time and
-the ratios to `hand`.
+For each: peak GPU memory (allocated/reserved, split into engine construction and training), peak host RSS,
+the memory model's prediction beside them, median step time, losses, and how many weight tensors (and
+elements) changed from their initial fp16 values: at lr 1e-6, fp16 master weights round most updates away.
 
-    python bench/sd15_6gb.py --variants plain,plain-uncapped,hand,fix,fix-tuned,fix-zero3 --out results.json
+    python bench/sd15_6gb.py --variants zero2-offload,zero3-nvme,zero3-offload --nvme-path /mnt/nvme/x --out r.json
+    python bench/sd15_6gb.py --tiny --variants zero2-offload --out r.json    # a smoke test on the CPU
 """
 
 import argparse
@@ -28,36 +31,50 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TUNED = ROOT / "configs" / "ds_zero2_offload_6gb.json"
-EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-# name: (how the models are prepared, DeepSpeed config, capped at --cap-gib, extra environment)
+sys.path.insert(0, str(ROOT))
+GIB = 1024**3
+# name: (how the models are prepared, tier name / "default" / None, capped, extra environment)
 VARIANTS = {
     "plain": ("plain", None, True, {}),
     "plain-uncapped": ("plain", None, False, {}),
     "hand": ("hand", "default", True, {}),
-    "hand-repeat": ("hand", "default", True, {}),  # run-to-run noise of the GPU (non-deterministic kernels)
-    # without the fix: the allocator's own reclaiming instead of the fix's release of ZeRO's freed blocks
     "hand-gc": ("hand", "default", True, {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6"}),
     "fix": ("fix", "default", True, {}),
-    "fix-tuned": ("fix", TUNED, True, {}),
-    "fix-tuned-expandable": ("fix", TUNED, True, EXPANDABLE),
-    "fix-zero3": ("fix", ROOT / "configs" / "ds_zero3_offload.json", True, {}),
-    "fix-zero3-expandable": ("fix", ROOT / "configs" / "ds_zero3_offload.json", True, EXPANDABLE),
+    "zero2-offload": ("fix", "zero2-offload", True, {}),
+    "zero2-fp16-master": ("fix", "zero2-fp16-master", True, {}),
+    "zero3-offload": ("fix", "zero3-offload", True, {}),
+    "zero3-nvme": ("fix", "zero3-nvme", True, {}),
+    "zero3-nvme-unpinned": ("fix", "zero3-nvme-unpinned", True, {}),
+    "zero3-nvme-params-cpu": ("fix", "zero3-nvme-params-cpu", True, {}),
+    "zero3-gpu-params": ("fix", "zero3-gpu-params", True, {}),
+    "lora": ("lora", None, True, {}),
+    "lora-zero2": ("lora-fix", "zero2", True, {}),
 }
-GIB = 1024**3
 
 
-def build_models():
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def build_models(tiny):
     import torch
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
     torch.manual_seed(0)
-    unet = UNet2DConditionModel(sample_size=64, cross_attention_dim=768)  # SD1.5 layout
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
-                       max_position_embeddings=77, vocab_size=49408)
-    )
+    if tiny:
+        unet = UNet2DConditionModel(sample_size=8, block_out_channels=(32, 64), layers_per_block=1,
+                                    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+                                    attention_head_dim=4, norm_num_groups=8)
+        te_config = CLIPTextConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2,
+                                   max_position_embeddings=77, vocab_size=1000)
+    else:
+        unet = UNet2DConditionModel(sample_size=64, cross_attention_dim=768)  # SD1.5 layout
+        te_config = CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_attention_heads=12,
+                                   num_hidden_layers=12, max_position_embeddings=77, vocab_size=49408)
+    text_encoder = CLIPTextModel(te_config)
     unet.enable_gradient_checkpointing()
     text_encoder.gradient_checkpointing_enable()
     unet.train()
@@ -65,54 +82,184 @@ def build_models():
     return unet, text_encoder
 
 
-def worker(name, steps, cap_gib, out):
+def hand_merged(unet, text_encoder, device_type, dtype):
+    """The by-hand workaround: both models in one module whose forward runs a whole step."""
     import torch
 
-    mode, config, capped, _ = VARIANTS[name]
-    if capped:
-        torch.cuda.set_per_process_memory_fraction(cap_gib * GIB / torch.cuda.get_device_properties(0).total_memory)
-    if mode != "plain":
+    class HandMerged(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.models = torch.nn.ModuleDict({"unet2dconditionmodel": unet, "cliptextmodel": text_encoder})
+
+        def forward(self, ids, noisy, t):
+            with torch.autocast(device_type, dtype=dtype):
+                hidden = self.models["cliptextmodel"](ids)[0]
+                return self.models["unet2dconditionmodel"](noisy, t, hidden).sample
+
+    return HandMerged()
+
+
+def deepspeed_config(name, nvme_path):
+    from accel_ds_fix import tiers
+
+    if name in tiers.BY_NAME:
+        return tiers.BY_NAME[name].deepspeed_config(nvme_path)
+    if name == "zero2-fp16-master":
+        config = tiers.BY_NAME["zero2-offload"].deepspeed_config()
+        config["fp16"]["fp16_master_weights_and_grads"] = True
+        return config
+    if name == "zero3-nvme-unpinned":
+        config = tiers.BY_NAME["zero3-nvme"].deepspeed_config(nvme_path)
+        config["zero_optimization"]["offload_optimizer"]["pin_memory"] = False
+        return config
+    if name == "zero3-nvme-params-cpu":  # ZeRO-Infinity's usual layout: weights in RAM, optimizer on NVMe
+        config = tiers.BY_NAME["zero3-nvme"].deepspeed_config(nvme_path)
+        config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+        return config
+    if name == "zero3-gpu-params":  # the NVMe tier's layout with the optimizer in RAM instead
+        config = tiers.BY_NAME["zero3-nvme"].deepspeed_config(nvme_path)
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        return config
+    if name == "zero2":
+        config = tiers.BY_NAME["zero2-offload"].deepspeed_config()
+        config["zero_optimization"].pop("offload_optimizer")
+        return config
+    raise ValueError(name)
+
+
+def save_initial(models, path):
+    """Every parameter as fp32, one after another in one file: no second copy of the model in memory."""
+    import numpy as np
+
+    with open(path, "wb") as f:
+        for model in models:
+            for _, p in model.named_parameters():
+                p.detach().float().cpu().numpy().astype(np.float32, copy=False).tofile(f)
+
+
+def changed_from_initial(models, path):
+    """(tensors changed, tensors, elements changed, elements) of the trainable weights, compared in the
+    precision the model trains them in (gathered under ZeRO-3)."""
+    import contextlib
+
+    import numpy as np
+    import torch
+
+    tensors, changed, elements, changed_elements = 0, 0, 0, 0
+    initial = open(path, "rb")  # plain reads: a memory map would count the whole file in the process's RSS
+    for model in models:
+        for _, p in model.named_parameters():
+            numel = int(getattr(p, "ds_numel", p.numel()))
+            start = torch.from_numpy(np.fromfile(initial, dtype=np.float32, count=numel))
+            if not p.requires_grad:
+                continue
+            gather = contextlib.nullcontext()
+            if hasattr(p, "ds_id"):
+                import deepspeed
+
+                gather = deepspeed.zero.GatheredParameters([p], modifier_rank=None)
+            with gather:
+                now = p.detach().reshape(-1).cpu()
+                differs = now.ne(start.to(now.dtype))
+            tensors += 1
+            elements += numel
+            changed += int(differs.any())
+            changed_elements += int(differs.sum())
+    initial.close()
+    return changed, tensors, changed_elements, elements
+
+
+def add_lora(unet, text_encoder, rank=8):
+    from peft import LoraConfig
+
+    unet.requires_grad_(False)
+    text_encoder.requires_grad_(False)
+    unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian",
+                                target_modules=["to_k", "to_q", "to_v", "to_out.0"]))
+    text_encoder.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian",
+                                        target_modules=["q_proj", "k_proj", "v_proj", "out_proj"]))
+
+
+def worker(name, args):
+    import torch
+
+    mode, config_name, capped, _ = VARIANTS[name]
+    cuda = torch.cuda.is_available() and not args.tiny
+    half = torch.float16 if cuda else torch.bfloat16
+    precision = "fp16" if cuda else "bf16"
+    if capped and cuda:
+        torch.cuda.set_per_process_memory_fraction(args.cap_gib * GIB / torch.cuda.get_device_properties(0).total_memory)
+    if mode != "plain" and mode != "lora":
         import accel_ds_fix  # noqa: F401
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
+
+    from accel_ds_fix import memory, memory_check
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0", WORLD_SIZE="1",
                           LOCAL_RANK="0")
-    if mode == "plain":
-        accelerator = Accelerator(mixed_precision="fp16")
-    elif config == "default":
+    if config_name is None:
+        accelerator = Accelerator(mixed_precision=precision)
+    elif config_name == "default":
         plugin = DeepSpeedPlugin(zero_stage=2, offload_optimizer_device="cpu", gradient_clipping=1.0)
-        accelerator = Accelerator(mixed_precision="fp16", deepspeed_plugin=plugin)
+        accelerator = Accelerator(mixed_precision=precision, deepspeed_plugin=plugin)
     else:
-        accelerator = Accelerator(mixed_precision="fp16", deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=str(config)))
+        config = deepspeed_config(config_name, args.nvme_path)
+        accelerator = Accelerator(mixed_precision=precision, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    # What the run imports anyway, before the baseline is read: no part of the models' memory.
+    import diffusers  # noqa: F401
+    import transformers  # noqa: F401
 
-    unet, text_encoder = build_models()
-    params = [*unet.parameters(), *text_encoder.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=1e-6)
+    if config_name is not None:
+        import deepspeed.runtime.engine  # noqa: F401
+        import deepspeed.runtime.zero.stage3  # noqa: F401
+    if mode.startswith("lora"):
+        import peft  # noqa: F401
+    if cuda:  # the CUDA context and cuBLAS are the process's too, before any model
+        (torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")).sum().item()
+    result = {"variant": name, "rss_before_models_gib": rss() / GIB}
+    unet, text_encoder = build_models(args.tiny)
+    if mode.startswith("lora"):
+        add_lora(unet, text_encoder)
+        if cuda:  # diffusers' LoRA scripts keep the frozen base in the training precision
+            for model in (unet, text_encoder):
+                for p in model.parameters():
+                    if not p.requires_grad:
+                        p.data = p.data.to(half)
+    models = (unet, text_encoder)
+    initial = Path(args.out).with_suffix(f".{name}.initial.bin")
+    save_initial(models, initial)
+    params = [p for m in models for p in m.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr)
+    result["params_m"] = sum(p.numel() for m in models for p in m.parameters()) / 1e6
+    result["trainable_m"] = sum(p.numel() for p in params) / 1e6
+    if config_name is not None:
+        work = memory_check.workload_of(models, optimizer)
+        work = memory.Workload(**{**work.__dict__, "activations": 0 if args.tiny else memory.SD15_ACTIVATIONS})
+        settings = memory.Settings.from_config(accelerator.state.deepspeed_plugin.deepspeed_config, precision)
+        p = memory.predict(work, settings, "cuda" if cuda else "cpu", host_baseline=0)
+        result.update(predicted_gpu_allocated_gib=p.gpu_allocated / GIB, predicted_gpu_reserved_gib=p.gpu_reserved / GIB,
+                      predicted_host_gib=(p.host + int(result["rss_before_models_gib"] * GIB)) / GIB,
+                      predicted_host_plan_gib=(p.host + memory.HOST_BASELINE["cuda" if cuda else "cpu"]) / GIB,
+                      predicted_nvme_gib=p.nvme / GIB)
+    result["rss_models_built_gib"] = rss() / GIB
     g = torch.Generator().manual_seed(1)
-    n = steps + 3
+    n = args.steps + 2
+    size = 8 if args.tiny else 64
+    vocab = 1000 if args.tiny else 49408
     data = torch.utils.data.TensorDataset(
-        torch.randint(0, 49408, (n, 77), generator=g), torch.randn(n, 4, 64, 64, generator=g),
-        torch.randn(n, 4, 64, 64, generator=g), torch.randint(0, 1000, (n,), generator=g),
+        torch.randint(0, vocab, (n, 77), generator=g), torch.randn(n, 4, size, size, generator=g),
+        torch.randn(n, 4, size, size, generator=g), torch.randint(0, 1000, (n,), generator=g),
     )
     loader = torch.utils.data.DataLoader(data, batch_size=1)
-    result = {"variant": name, "params_m": sum(p.numel() for p in params) / 1e6}
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     try:
         if mode == "hand":
-            class HandMerged(torch.nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.models = torch.nn.ModuleDict({"unet2dconditionmodel": unet, "cliptextmodel": text_encoder})
-
-                def forward(self, ids, noisy, t):
-                    with torch.autocast("cuda", dtype=torch.float16):
-                        hidden = self.models["cliptextmodel"](ids)[0]
-                        return self.models["unet2dconditionmodel"](noisy, t, hidden).sample
-
-            merged, optimizer, loader = accelerator.prepare(HandMerged(), optimizer, loader)
+            merged = hand_merged(unet, text_encoder, "cuda" if cuda else "cpu", half)
+            merged, optimizer, loader = accelerator.prepare(merged, optimizer, loader)
             forward = merged
         else:
             unet, text_encoder, optimizer, loader = accelerator.prepare(unet, text_encoder, optimizer, loader)
@@ -121,81 +268,88 @@ def worker(name, steps, cap_gib, out):
                 with accelerator.autocast():
                     return unet(noisy, t, text_encoder(ids)[0]).sample
 
-        # Where the peak is set: building the engine, or training (the peak counters are reset in between).
-        result.update(
-            prepare_peak_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
-            prepare_peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB,
-            reserved_after_prepare_gib=torch.cuda.memory_reserved() / GIB,
-        )
-        torch.cuda.reset_peak_memory_stats()
+        result["rss_after_prepare_gib"] = rss() / GIB
+        if cuda:
+            result.update(prepare_peak_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
+                          prepare_peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB)
+            torch.cuda.reset_peak_memory_stats()
         times, losses = [], []
         for ids, latents, noise, t in loader:
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
             start = time.perf_counter()
             pred = forward(ids, latents + noise, t)
             loss = torch.nn.functional.mse_loss(pred.float(), noise.float())
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
-        result.update(status="ok", step_s=statistics.median(times[3:]), losses=losses)
+        result.update(status="ok", step_s=statistics.median(times[2:]), losses=losses,
+                      peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB)
+        c, tensors, ce, elements = changed_from_initial([accelerator.unwrap_model(unet), accelerator.unwrap_model(text_encoder)]
+                                                        if mode != "hand" else [merged.module], initial)
+        result.update(changed_tensors=c, trainable_tensors=tensors, changed_elements=ce, trainable_elements=elements)
     except torch.cuda.OutOfMemoryError as exc:
         result.update(status="OOM", error=str(exc).splitlines()[0][:160])
-    result.update(
-        train_peak_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
-        train_peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB,
-    )
-    result.update(
-        peak_allocated_gib=max(result.get("prepare_peak_allocated_gib", 0), result["train_peak_allocated_gib"]),
-        peak_reserved_gib=max(result.get("prepare_peak_reserved_gib", 0), result["train_peak_reserved_gib"]),
-        peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
-    )
-    Path(out).write_text(json.dumps(result))
+    finally:
+        initial.unlink(missing_ok=True)
+    if cuda:
+        result.update(train_peak_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
+                      train_peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB)
+        result.update(peak_allocated_gib=max(result.get("prepare_peak_allocated_gib", 0), result["train_peak_allocated_gib"]),
+                      peak_reserved_gib=max(result.get("prepare_peak_reserved_gib", 0), result["train_peak_reserved_gib"]))
+    result.setdefault("peak_rss_gib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB)
+    result["torch_threads"] = torch.get_num_threads()
+    Path(args.out).write_text(json.dumps(result))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="plain,hand,fix,fix-tuned,fix-zero3")
-    p.add_argument("--steps", type=int, default=6, help="timed steps (after 3 warm-up steps)")
+    p.add_argument("--variants", default="zero2-offload,zero3-nvme,zero3-offload")
+    p.add_argument("--steps", type=int, default=8, help="timed steps (after 2 warm-up steps)")
+    p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--cap-gib", type=float, default=6.0)
+    p.add_argument("--nvme-path", default="/var/tmp/accel_ds_fix_nvme")
+    p.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke test of this script")
     p.add_argument("--out", default="bench_results.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        return worker(args.worker, args.steps, args.cap_gib, args.out)
+        return worker(args.worker, args)
 
     results = []
     for name in args.variants.split(","):
         out = Path(args.out).with_suffix(f".{name}.json")
-        cmd = [sys.executable, __file__, "--worker", name, "--steps", str(args.steps), "--cap-gib", str(args.cap_gib),
-               "--out", str(out)]
+        cmd = [sys.executable, __file__, "--worker", name, "--steps", str(args.steps), "--lr", str(args.lr),
+               "--cap-gib", str(args.cap_gib), "--nvme-path", args.nvme_path, "--out", str(out)]
+        cmd += ["--tiny"] if args.tiny else []
+        started = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **VARIANTS[name][3]})
         if proc.returncode != 0 or not out.exists():
             results.append({"variant": name, "status": f"failed ({proc.returncode})", "log": proc.stderr[-3000:]})
             print(proc.stderr[-3000:], file=sys.stderr)
         else:
             results.append(json.loads(out.read_text()))
+        results[-1]["wall_s"] = time.time() - started
         print(json.dumps({k: v for k, v in results[-1].items() if k not in ("log", "losses")}), flush=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    report(results)
 
-    by_name = {r["variant"]: r for r in results}
-    base = by_name.get("hand", {})
-    print(f"\n{'variant':<21}{'status':<8}{'alloc GiB':>10}{'reserved GiB':>13}{'(prepare':>9}{'train)':>7}"
-          f"{'host RSS GiB':>13}{'s/step':>8}{'time/hand':>10}")
+
+def report(results):
     nan = float("nan")
+    print(f"\n{'variant':<18}{'status':<7}{'alloc':>7}{'reserved':>9}{'pred':>6}{'host':>7}{'pred':>6}"
+          f"{'s/step':>8}{'changed tensors':>17}{'elements':>10}")
     for r in results:
-        ratio = r["step_s"] / base["step_s"] if r.get("step_s") and base.get("step_s") else nan
-        print(f"{r['variant']:<21}{r['status'][:7]:<8}{r.get('peak_allocated_gib', nan):>10.2f}"
-              f"{r.get('peak_reserved_gib', nan):>13.2f}{r.get('prepare_peak_reserved_gib', nan):>9.2f}"
-              f"{r.get('train_peak_reserved_gib', nan):>7.2f}{r.get('peak_rss_gib', nan):>13.2f}"
-              f"{r.get('step_s', nan):>8.3f}{ratio:>10.3f}")
-    for other in ("fix", "hand-repeat"):
-        if by_name.get(other, {}).get("losses") and base.get("losses"):
-            a, b = by_name[other]["losses"], base["losses"]
-            worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
-            print(f"{other} vs hand losses: first step equal {a[0] == b[0]}, largest relative difference {worst:.2e}")
-    Path(args.out).write_text(json.dumps(results, indent=1))
+        changed = f"{r['changed_tensors']}/{r['trainable_tensors']}" if "changed_tensors" in r else "-"
+        elements = f"{r['changed_elements'] / max(r['trainable_elements'], 1):.1%}" if "changed_elements" in r else "-"
+        print(f"{r['variant']:<18}{r['status'][:6]:<7}{r.get('peak_allocated_gib', nan):>7.2f}"
+              f"{r.get('peak_reserved_gib', nan):>9.2f}{r.get('predicted_gpu_reserved_gib', nan):>6.2f}"
+              f"{r.get('peak_rss_gib', nan):>7.2f}{r.get('predicted_host_gib', nan):>6.2f}"
+              f"{r.get('step_s', nan):>8.3f}{changed:>17}{elements:>10}")
 
 
 if __name__ == "__main__":
