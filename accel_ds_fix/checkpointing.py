@@ -14,16 +14,15 @@ import os
 import sys
 
 from . import manifest, nvme_resume, trainability
-from .gather import shards
+from .gather import is_partitioned, shards
 from .lookup import merged_engine
 from .proxy import unwrap
 
 
 class ModelWeights(collections.abc.Mapping):
-    """One model's entry in a save hook's ``weights``: its state dict, computed only if the hook reads it.
-
-    Most hooks only pop the entry; under ZeRO-3 reading it gathers the full weights (a collective).
-    """
+    """Under ZeRO-3, one model's entry in a save hook's ``weights``: its state dict, gathered only if the hook
+    reads it (most hooks only pop the entry; gathering a whole model costs its size again). Pickled (torch.save)
+    as the plain dict it stands for."""
 
     def __init__(self, model):
         self._model = model
@@ -45,6 +44,17 @@ class ModelWeights(collections.abc.Mapping):
 
     def __repr__(self):
         return f"<weights of {type(self._model).__name__}, read when used>"
+
+    def __reduce__(self):
+        return collections.OrderedDict, (list(self._loaded().items()),)
+
+
+def _weights_entry(model):
+    """What accelerate's weights list holds for a model without DeepSpeed: its state dict (tensor references,
+    no copies); under ZeRO-3, where that means gathering, the same read only when used."""
+    if any(is_partitioned(p) for p in model.parameters()):
+        return ModelWeights(model)
+    return model.state_dict()
 
 
 def _each_model(engine, models):
@@ -117,7 +127,7 @@ def save_state(wrapped, instance, args, kwargs):
             # One entry per model, as without DeepSpeed. What the hook leaves in it is not written again:
             # DeepSpeed's checkpoint already holds every weight (accelerate's own `weights` stays empty).
             with _gathered_for_hook(instance, engine), _models_built_whole():
-                hook(each, [ModelWeights(unwrap(m)) for m in each], output_dir)
+                hook(each, [_weights_entry(unwrap(m)) for m in each], output_dir)
 
         return save_hook
 

@@ -1,11 +1,12 @@
 """The command line: `python -m accel_ds_fix` reports whether the fix is active here; `python -m accel_ds_fix
-plan` says which DeepSpeed config fits a model on a machine and writes it. Only calls the library."""
+plan` says which DeepSpeed config fits a model on a machine and writes it; `python -m accel_ds_fix build-ops`
+compiles DeepSpeed's ops ahead of the first run. Only calls the library."""
 
 import argparse
 import json
 import sys
 
-from . import memory, planner, report, tiers
+from . import memory, ops, planner, report, tiers
 
 GIB = memory.GIB
 
@@ -100,7 +101,13 @@ def main(argv=None):
                                      description="Without a command: report whether the fix is active here.")
     sub = parser.add_subparsers(dest="command")
     _plan_parser(sub)
+    sub.add_parser("build-ops", help="compile DeepSpeed's ops the shipped configs use, once, before the first run",
+                   description="Compile cpu_adam (optimizer offload), async_io (NVMe offload, needs libaio) and, on "
+                               "the CPU backend, DeepSpeed's shared-memory collectives, into torch's extension cache "
+                               "(TORCH_EXTENSIONS_DIR), so the first training run does not stall in prepare().")
     args = parser.parse_args(argv)
+    if args.command == "build-ops":
+        return 0 if ops.build(report=lambda line: print(line, flush=True)) else 1
     if args.command == "plan":
         try:
             return _plan(args)

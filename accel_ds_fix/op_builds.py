@@ -11,7 +11,8 @@ from . import notices, ops
 def announce_first_build(wrapped, instance, args, kwargs):
     """OpBuilder.jit_load: compiles the op unless torch's extension cache already holds it."""
     name = getattr(instance, "name", None)
-    announce = bool(name) and os.environ.get("LOCAL_RANK", "0") == "0" and not ops.is_built(name)
+    announce = (bool(name) and os.environ.get("LOCAL_RANK", "0") == "0" and not ops.building_ahead()
+                and not ops.is_built(name))
     if announce:
         notices.say(
             f"DeepSpeed is compiling its {name} op for the first time: this takes a few minutes, once; later "

@@ -1,6 +1,19 @@
-"""Where DeepSpeed's JIT-compiled C++ ops (cpu_adam for optimizer offload, ...) live, and whether one is built."""
+"""Where DeepSpeed's JIT-compiled C++ ops (cpu_adam for optimizer offload, ...) live, whether one is built, and
+building them ahead of time (`python -m accel_ds_fix build-ops`), so no first run stalls in prepare()."""
 
 import os
+import time
+
+# The ops the shipped tiers load, as DeepSpeed's accelerators name their builders: cpu_adam for optimizer offload,
+# async_io (with pin_memory) for the NVMe tier, and the shared-memory collectives DeepSpeed loads at every start
+# on the CPU backend. An op this accelerator does not have, or cannot build here, is skipped with the reason.
+TIER_BUILDERS = ("CPUAdamBuilder", "AsyncIOBuilder", "ShareMemCommBuilder")
+
+_building_ahead = False  # build() reports each op itself: the first-build notice of op_builds stays quiet
+
+
+def building_ahead():
+    return _building_ahead
 
 
 def build_directory(name):
@@ -21,3 +34,43 @@ def prebuilt(name):
 
 def is_built(name):
     return prebuilt(name) or os.path.exists(os.path.join(build_directory(name), f"{name}.so"))
+
+
+def build(builder_names=TIER_BUILDERS, report=print):
+    """Build each op unless built; ``report`` gets one line per op. Returns False if one failed to build."""
+    global _building_ahead
+    from deepspeed.accelerator import get_accelerator
+
+    ok, _building_ahead = True, True
+    try:
+        for class_name in builder_names:
+            ok = _build_one(get_accelerator(), class_name, report) and ok
+    finally:
+        _building_ahead = False
+    return ok
+
+
+def _build_one(accelerator, class_name, report):
+    builder_class = accelerator.get_op_builder(class_name)
+    name = getattr(builder_class, "NAME", None)
+    if builder_class is None or name in (None, "deepspeed_not_implemented"):
+        report(f"{class_name}: not used by DeepSpeed's {accelerator.device_name()} accelerator, skipped")
+        return True
+    if is_built(name):
+        report(f"{name}: already built ({'installed with DeepSpeed' if prebuilt(name) else build_directory(name)})")
+        return True
+    builder = builder_class()
+    if not builder.is_compatible(verbose=False):
+        why = "libaio is missing (apt install libaio-dev): the zero3-nvme tier cannot run here" \
+            if name == "async_io" else "DeepSpeed says it is not compatible with this machine"
+        report(f"{name}: cannot be built here: {why}")
+        return True
+    report(f"{name}: building (a few minutes on a small machine) ...")
+    started = time.monotonic()
+    try:
+        builder.load(verbose=False)
+    except Exception as exc:  # a compiler error: say which op; the others can still be built
+        report(f"{name}: FAILED: {exc!r}")
+        return False
+    report(f"{name}: built in {time.monotonic() - started:.0f} s into {build_directory(name)}")
+    return True

@@ -65,7 +65,8 @@ def _cpu_adam_line():
         return f"unknown ({exc!r})"
     if built:
         return f"built ({where})"
-    return f"not built yet: the first run with optimizer offload compiles it for a few minutes, into {where}"
+    return (f"not built yet: the first run with optimizer offload compiles it for a few minutes, into {where} "
+            f"(or build it now: python -m accel_ds_fix build-ops)")
 
 
 def lines():
@@ -90,7 +91,7 @@ def lines():
     cores = threads.cores_per_process()
     out.append(
         f"CPU threads:       {torch.get_num_threads()} torch threads, {cores} cores for this process, "
-        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} (accelerate launch sets it to 1 unless "
-        f"given --num_cpu_threads_per_process)"
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} (torchrun sets it to 1 for several "
+        f"processes unless it is set)"
     )
     return out

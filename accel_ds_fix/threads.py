@@ -1,5 +1,7 @@
-"""CPU threads for DeepSpeed's CPU optimizer: optimizer offload steps every parameter on the host, in
-OpenMP threads, and `accelerate launch` / torchrun set OMP_NUM_THREADS=1 unless told otherwise."""
+"""CPU threads for DeepSpeed's CPU optimizer: optimizer offload steps every parameter on the host, in OpenMP
+threads, and torchrun (which `accelerate launch` uses for DeepSpeed) sets OMP_NUM_THREADS=1 for each of several
+processes unless the variable is set; accelerate's own --num_cpu_threads_per_process does not reach DeepSpeed's
+launcher."""
 
 import logging
 import os
@@ -24,8 +26,9 @@ def warn_if_few_for_cpu_optimizer():
     notices.say(
         f"DeepSpeed's CPU optimizer (optimizer offload) will step on {threads} CPU thread(s), but this process "
         f"may use {cores} cores, which makes every optimizer step slower (docs/gpu.md measures it). "
-        f"accelerate launch and torchrun set OMP_NUM_THREADS=1 unless told otherwise: pass "
-        f"--num_cpu_threads_per_process {cores} to accelerate launch, or set OMP_NUM_THREADS={cores}.",
+        f"torchrun, which accelerate launch uses for DeepSpeed, sets OMP_NUM_THREADS=1 for several processes "
+        f"unless it is set: launch with OMP_NUM_THREADS={cores} in the environment "
+        f"(--num_cpu_threads_per_process does not reach DeepSpeed's launcher).",
         level=logging.WARNING,
         once_key="threads",
     )

@@ -5,8 +5,8 @@ so only side-by-side pairs mean something):
 1. Two engines, the same SD1.5 UNet + CLIP-L weights and config (ZeRO-2 + CPU optimizer offload, fp16,
    gradient checkpointing, 512 px, batch 1): a hand-written merged module and prepare(unet, text_encoder)
    through the fix. Steps alternate A B A B ...; the median ratio fix/hand over the pairs, with its min-max.
-2. On the fix's engine, steps cycle through OpenMP thread counts (all cores, 8, 4, 1: the count `accelerate
-   launch` leaves DeepSpeedCPUAdam with unless told otherwise), set in every OpenMP runtime the process has
+2. On the fix's engine, steps cycle through OpenMP thread counts (all cores, 8, 4, 1: the count torchrun gives
+   each of several processes unless OMP_NUM_THREADS is set), set in every OpenMP runtime the process has
    loaded; the median step time per count and its ratio to all cores.
 
     python bench/sd15_interleaved.py --pairs 8 --out interleaved.json

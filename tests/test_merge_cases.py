@@ -120,7 +120,7 @@ def test_few_cpu_threads_under_offload_are_said(scenario):
     assert len(said) == 1
     cores = cores_per_process()
     assert f"will step on 1 CPU thread(s), but this process may use {cores} cores" in said[0]
-    assert f"--num_cpu_threads_per_process {cores} to accelerate launch, or set OMP_NUM_THREADS={cores}" in said[0]
+    assert f"launch with OMP_NUM_THREADS={cores} in the environment" in said[0]
 
 
 def test_training_too_large_for_the_host_stops_before_allocating(scenario):

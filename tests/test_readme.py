@@ -27,6 +27,17 @@ def test_plan_commands_run_as_written():
     assert "fix active:" in run([BIN / "python", *report.split()[1:]], env=clean_env()).stdout
 
 
+def test_build_ops_command_leaves_every_op_built_or_says_why():
+    # scripts/test.sh ran it before the suite: here every op is found built (or cannot be built, with the reason),
+    # and the report then says cpu_adam is built.
+    build = next(c for c in commands() if c == "python -m accel_ds_fix build-ops")
+    out = run([BIN / "python", *build.split()[1:]], env=clean_env()).stdout
+    for op in ("cpu_adam", "async_io", "deepspeed_shm_comm"):
+        line = next(line for line in out.splitlines() if line.startswith(f"{op}: "))
+        assert re.match(rf"{op}: (already built|built in \d+ s|cannot be built here: \S)", line), line
+    assert "DeepSpeed cpu_adam op: built" in run([BIN / "python", "-m", "accel_ds_fix"], env=clean_env()).stdout
+
+
 def test_wheel_command_builds_the_file_the_readme_installs(tmp_path):
     build, install = next(c for c in commands() if c.startswith("pip wheel")).split(" && ")
     wheel = install.split()[-1]
