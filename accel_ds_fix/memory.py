@@ -182,9 +182,9 @@ def predict(work, s, device="cuda", host_baseline=None):
     # The weights as loaded (before prepare) leave the host when they move to the GPU; on a CPU they stay.
     loaded = work.weight_bytes * P
     if device == "cpu":  # the device buffers are host memory too, allocated before DeepSpeed's host buffers
-        # ZeRO-3 partitions the module where it is: on a CPU the weights as loaded stay resident (measured).
-        resident = loaded if s.stage == 3 else 0
-        host_peak = baseline + resident + max(loaded, build, train + deepspeed_host)
+        # What the tensors hold. glibc may keep freed blocks besides (its dynamic mmap threshold): up to ~15 % more
+        # resident memory on the CPU, never on a GPU host, whose DeepSpeed buffers are pinned (docs/memory.md).
+        host_peak = baseline + max(loaded, build, train + deepspeed_host)
         gpu_alloc = gpu_reserved = 0
     else:
         host_peak = baseline + max(loaded, deepspeed_host)

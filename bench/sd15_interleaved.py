@@ -11,6 +11,11 @@ so only side-by-side pairs mean something):
 
     python bench/sd15_interleaved.py --pairs 8 --out interleaved.json
     python bench/sd15_interleaved.py --tiny --pairs 3       # a smoke test on the CPU
+
+Under a launcher (one process per GPU, data parallel) every process runs the same comparison on its own batch;
+the main process reports, and "all cores" means the process's share of them. Scaling from 1 to 2 GPUs: run it
+plainly and under `torchrun --nproc_per_node 2` (leave OMP_NUM_THREADS unset there to see the fix's thread warning
+fire, or set it to the cores per process) and compare the medians: a step of N processes trains N samples.
 """
 
 import argparse
@@ -60,10 +65,16 @@ def main():
 
     cuda = torch.cuda.is_available() and not args.tiny
     precision, half = ("fp16", torch.float16) if cuda else ("bf16", torch.bfloat16)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0")
+    if "RANK" not in os.environ:  # run plainly: one process; under torchrun the launcher set these
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0",
+                              WORLD_SIZE="1", LOCAL_RANK="0")
+    if not cuda:  # the CPU has no NCCL: several processes talk through gloo
+        from accelerate import PartialState
+
+        PartialState(backend="gloo")
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     plugin = DeepSpeedPlugin(zero_stage=2, offload_optimizer_device="cpu", gradient_clipping=1.0)
     plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1  # no dataloader is prepared
     hand_acc = Accelerator(mixed_precision=precision, deepspeed_plugin=plugin)
@@ -82,7 +93,7 @@ def main():
             return fix_unet(noisy, t, fix_te(ids)[0]).sample
 
     size, vocab = (8, 1000) if args.tiny else (64, 49408)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1 + rank)  # each process its own sample, as a data-parallel shard
     batch = (torch.randint(0, vocab, (1, 77), generator=g), torch.randn(1, 4, size, size, generator=g),
              torch.randn(1, 4, size, size, generator=g), torch.randint(0, 1000, (1,), generator=g))
     device = hand_acc.device
@@ -111,26 +122,36 @@ def main():
     result = {"pairs": pairs, "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
               "ratio_max": max(ratios), "hand_median_s": statistics.median(pr["hand_s"] for pr in pairs),
               "fix_median_s": statistics.median(pr["fix_s"] for pr in pairs)}
-    print(f"fix / hand-written merge over {args.pairs} interleaved pairs: median {result['ratio_median']:.3f} "
-          f"(min {result['ratio_min']:.3f}, max {result['ratio_max']:.3f}); hand {result['hand_median_s']:.3f} s, "
-          f"fix {result['fix_median_s']:.3f} s", flush=True)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"{world} process(es); fix / hand-written merge over {args.pairs} interleaved pairs: median "
+        f"{result['ratio_median']:.3f} (min {result['ratio_min']:.3f}, max {result['ratio_max']:.3f}); "
+        f"hand {result['hand_median_s']:.3f} s, fix {result['fix_median_s']:.3f} s", flush=True)
 
-    cores = len(os.sched_getaffinity(0))
+    cores = max(1, len(os.sched_getaffinity(0)) // world)  # this process's share of the cores
+    if args.thread_cycles:  # 0: only the fix / hand comparison
+        result["threads"] = thread_cycles(args, step, fix_acc, fix_forward, fix_opt, cores, say)
+    result["processes"] = world
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    fix_acc.end_training()
+
+
+def thread_cycles(args, step, acc, forward, optimizer, cores, say):
+    """Steps on the fix's engine cycling through OpenMP thread counts: the median per count, its ratio to all."""
     counts = sorted({cores, min(8, cores), min(4, cores), 1}, reverse=True)
     times = {n: [] for n in counts}
     for _ in range(args.thread_cycles):
         for n in counts:
             set_openmp_threads(n)
-            step(fix_acc, fix_forward, fix_opt)  # one step to settle the new thread pool
-            times[n].append(step(fix_acc, fix_forward, fix_opt)[0])
+            step(acc, forward, optimizer)  # one step to settle the new thread pool
+            times[n].append(step(acc, forward, optimizer)[0])
     set_openmp_threads(cores)
     medians = {n: statistics.median(v) for n, v in times.items()}
-    result["threads"] = {str(n): {"median_s": medians[n], "times": times[n], "ratio_to_all": medians[n] / medians[cores]}
-                         for n in counts}
     for n in counts:
-        print(f"{n:>3} OpenMP threads: median {medians[n]:.3f} s/step, {medians[n] / medians[cores]:.2f}x the "
-              f"{cores}-thread step ({args.thread_cycles} cycles)", flush=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+        say(f"{n:>3} OpenMP threads: median {medians[n]:.3f} s/step, {medians[n] / medians[cores]:.2f}x the "
+            f"{cores}-thread step ({args.thread_cycles} cycles)", flush=True)
+    return {str(n): {"median_s": medians[n], "times": times[n], "ratio_to_all": medians[n] / medians[cores]}
+            for n in counts}
 
 
 if __name__ == "__main__":

@@ -220,10 +220,13 @@ def export(accelerator, models, directory):
         state = accelerator.get_state_dict(model)
         unwrapped = accelerator.unwrap_model(model)
         unwrapped_state = unwrapped.state_dict()  # every process: a ZeRO-3 gather is collective
+        os.makedirs(directory, exist_ok=True)
         if accelerator.is_main_process:
-            os.makedirs(directory, exist_ok=True)
             torch.save(state, os.path.join(directory, f"{name}.get_state_dict.pt"))
             torch.save(unwrapped_state, os.path.join(directory, f"{name}.unwrap_model.pt"))
+        else:  # what the other processes hold, so that several-process runs can check it too
+            rank = accelerator.process_index
+            torch.save(unwrapped_state, os.path.join(directory, f"{name}.unwrap_model.rank{rank}.pt"))
         accelerator.save_model(model, os.path.join(directory, f"{name}.save_model"), safe_serialization=False)
         written[name] = type(unwrapped).__name__
     return written

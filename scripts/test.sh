@@ -6,5 +6,5 @@ source "$(dirname "${BASH_SOURCE[0]}")/setup-venv.sh"
 cd "$ROOT"
 # DeepSpeed's ops compile once, here, where it shows (about 10 min on a fresh 2-core machine), not inside a test's
 # time limit; later runs find them in .cache/torch_extensions.
-python -m accel_ds_fix build-ops | grep -v "^\[20"
+python -m accel_ds_fix build-ops | grep --line-buffered -v "^\[20"
 python -m pytest -n 2 "$@"

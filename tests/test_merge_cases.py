@@ -12,6 +12,13 @@ def result(proc):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def refused(scenario, name, *args):
+    """Run a scenario that must fail; return what it said on stderr."""
+    proc = scenario(name, *args, check=False)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    return proc.stderr
+
+
 @pytest.mark.parametrize("name", ["shared_params", "paramless_model"])
 def test_handled_cases_train_like_hand_written_merge(scenario, name):
     fixed, reference = result(scenario(name)), result(scenario(name, "--reference"))
@@ -22,32 +29,29 @@ def test_handled_cases_train_like_hand_written_merge(scenario, name):
 
 
 def test_two_optimizers_is_refused_with_reason(scenario):
-    proc = scenario("two_optimizers", check=False)
-    assert proc.returncode != 0
-    assert "MergeError: accel_ds_fix: this prepare() call holds 2 optimizers" in proc.stderr
-    assert "one engine with exactly one optimizer" in proc.stderr
-    assert "parameter groups" in proc.stderr
+    stderr = refused(scenario, "two_optimizers")
+    assert "MergeError: accel_ds_fix: this prepare() call holds 2 optimizers" in stderr
+    assert "one engine with exactly one optimizer" in stderr
+    assert "parameter groups" in stderr
 
 
 def test_optimizer_params_outside_models_are_named(scenario):
-    proc = scenario("stray_params", check=False)
-    assert proc.returncode != 0
+    stderr = refused(scenario, "stray_params")
     assert (
         "the optimizer holds 2 parameter(s) that belong to none of the 2 models passed to prepare(): tinyunet "
         "(TinyUNet, argument 1 of prepare()), tinytextencoder (TinyTextEncoder, argument 2 of prepare()) "
         "(shapes: (5, 3), (5,))"
-    ) in proc.stderr
-    assert "KeyError" not in proc.stderr
+    ) in stderr
+    assert "KeyError" not in stderr
 
 
 def test_bitsandbytes_8bit_under_offload_is_refused_and_the_way_out_trains(scenario):
-    proc = scenario("bnb_8bit_with_offload", check=False)
-    assert proc.returncode != 0
+    stderr = refused(scenario, "bnb_8bit_with_offload")
     assert (
         "the optimizer is bitsandbytes.optim.adamw.AdamW8bit, but the DeepSpeed config offloads the optimizer to "
         "cpu: DeepSpeed's optimizer offload steps with its own 32-bit CPU optimizers"
-    ) in proc.stderr
-    assert '"zero_force_ds_cpu_optimizer": false' in proc.stderr
+    ) in stderr
+    assert '"zero_force_ds_cpu_optimizer": false' in stderr
     # The suggestion works: DeepSpeed steps bitsandbytes' AdamW8bit itself, with 8-bit states, and it trains.
     out = result(scenario("bnb_8bit_with_offload", "--not-forced"))
     assert out["optimizer"] == "AdamW8bit"
@@ -56,12 +60,11 @@ def test_bitsandbytes_8bit_under_offload_is_refused_and_the_way_out_trains(scena
 
 
 def test_optimizer_without_cpu_version_under_offload_is_refused(scenario):
-    proc = scenario("sgd_with_offload", check=False)
-    assert proc.returncode != 0
+    stderr = refused(scenario, "sgd_with_offload")
     assert (
         "the optimizer is torch.optim.sgd.SGD, but the DeepSpeed config offloads the optimizer to cpu: DeepSpeed "
         "has no CPU version of SGD, and accelerate would silently replace it by DeepSpeedCPUAdam"
-    ) in proc.stderr
+    ) in stderr
 
 
 def test_half_precision_weights_are_explained(scenario):
@@ -77,19 +80,17 @@ def test_half_precision_weights_are_explained(scenario):
 
 
 def test_preparing_proxies_again_is_refused(scenario):
-    proc = scenario("already_prepared", check=False)
-    assert proc.returncode != 0
+    stderr = refused(scenario, "already_prepared")
     assert (
         "tinyunet (TinyUNet, argument 1 of prepare()) and tinytextencoder (TinyTextEncoder, argument 2 of "
         "prepare()) were already prepared by accelerate"
-    ) in proc.stderr
+    ) in stderr
 
 
 def test_model_passed_twice_is_refused(scenario):
-    proc = scenario("model_passed_twice", check=False)
-    assert proc.returncode != 0
-    assert "arguments 1 and 3 of prepare() are the same TinyUNet object (tinyunet)" in proc.stderr
-    assert "pass every model exactly once" in proc.stderr
+    stderr = refused(scenario, "model_passed_twice")
+    assert "arguments 1 and 3 of prepare() are the same TinyUNet object (tinyunet)" in stderr
+    assert "pass every model exactly once" in stderr
 
 
 def test_merge_is_said_on_stderr_without_logging(scenario):
@@ -124,9 +125,7 @@ def test_few_cpu_threads_under_offload_are_said(scenario):
 
 
 def test_training_too_large_for_the_host_stops_before_allocating(scenario):
-    proc = scenario("too_large_for_host", check=False)
-    assert proc.returncode != 0
-    line = next(line for line in proc.stderr.splitlines() if "MemoryPlanError: accel_ds_fix:" in line)
+    line = next(line for line in refused(scenario, "too_large_for_host").splitlines() if "MemoryPlanError: accel_ds_fix:" in line)
     assert "accel_ds_fix: this training will not fit: host memory: about " in line
     assert "GiB needed at the peak" in line and "GiB available" in line
     assert "3000.1M parameters, 3000.1M trainable" in line

@@ -57,6 +57,7 @@ def test_demo_fails_without_the_fix_and_trains_with_it():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "AssertionError: You can't use same `Accelerator()` instance with multiple models" in proc.stdout
     assert "OK: fails without the fix, trains with it" in proc.stdout
+    assert "accel_ds_fix: merged 2 models into one DeepSpeed engine (ZeRO stage 2)" in proc.stderr
 
 
 def test_startup_bench_runs():
