@@ -40,7 +40,7 @@ def _plan(args):
     else:
         params, source = planner.parse_count(args.params), "--params"
     trainable = planner.parse_count(args.trainable) if args.trainable else params
-    work = memory.Workload(params=params, trainable=trainable, largest_trainable=min(trainable, 49408 * 768),
+    work = memory.Workload(params=params, trainable=trainable, largest_trainable=min(trainable, memory.SD15_LARGEST_TENSOR),
                            activations=planner.parse_bytes(args.activations))
     machine = planner.Machine.given(
         planner.parse_bytes(args.gpu_memory) if args.gpu_memory else None,

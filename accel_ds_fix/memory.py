@@ -18,6 +18,8 @@ HOST_BASELINE = {"cuda": 2.6 * GIB, "cpu": 0.7 * GIB}
 # Activation memory at the training peak is a property of the model, resolution and batch, not of
 # DeepSpeed; SD1.5 at 512 px, batch 1, fp16, gradient checkpointing needs about this much (measured).
 SD15_ACTIVATIONS = int(0.42 * GIB)
+# The largest tensor SD1.5 DreamBooth trains: CLIP-L's token embedding (the staging buffer of optimizer offload).
+SD15_LARGEST_TENSOR = 49408 * 768
 # Reserved over allocated GPU memory under ZeRO-3 (H200, SD1.5, 6 GiB cap: 2.04 / 1.86 GiB).
 STAGE3_RESERVED = 1.10
 

@@ -21,9 +21,10 @@ GIB = memory.GIB
 TMPFS_MAGIC = 0x01021994
 
 
-def _meminfo(key):
+def _proc_bytes(path, key):
+    """The ``key:  N kB`` line of a /proc file, in bytes; None where there is none (no /proc: not Linux)."""
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
+        with open(path, encoding="ascii") as f:
             for line in f:
                 if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
@@ -32,15 +33,12 @@ def _meminfo(key):
     return None
 
 
+def _meminfo(key):
+    return _proc_bytes("/proc/meminfo", key)
+
+
 def _rss():
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return _proc_bytes("/proc/self/status", "VmRSS")
 
 
 def workload_of(models, optimizer=None):

@@ -36,6 +36,11 @@ def is_built(name):
     return prebuilt(name) or os.path.exists(os.path.join(build_directory(name), f"{name}.so"))
 
 
+def location(name):
+    """Where the op ``name`` comes from, in words."""
+    return "installed with DeepSpeed" if prebuilt(name) else build_directory(name)
+
+
 def build(builder_names=TIER_BUILDERS, report=print):
     """Build each op unless built; ``report`` gets one line per op. Returns False if one failed to build."""
     global _building_ahead
@@ -57,7 +62,7 @@ def _build_one(accelerator, class_name, report):
         report(f"{class_name}: not used by DeepSpeed's {accelerator.device_name()} accelerator, skipped")
         return True
     if is_built(name):
-        report(f"{name}: already built ({'installed with DeepSpeed' if prebuilt(name) else build_directory(name)})")
+        report(f"{name}: already built ({location(name)})")
         return True
     builder = builder_class()
     if not builder.is_compatible(verbose=False):

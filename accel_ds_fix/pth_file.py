@@ -25,15 +25,18 @@ class ActivateAccelDsFix:
         return None
 
 
-value = os.environ.get("ACCEL_DS_FIX", "").strip().lower()
-if value in ON:
-    if "accelerate" in sys.modules or "deepspeed" in sys.modules:
-        ActivateAccelDsFix().find_spec("accelerate")
-    elif not any(type(f).__name__ == "ActivateAccelDsFix" for f in sys.meta_path):  # a venv's lib64 -> lib
-        sys.meta_path.insert(0, ActivateAccelDsFix())
-elif value not in OFF and not os.environ.get("ACCEL_DS_FIX_WARNED"):
-    os.environ["ACCEL_DS_FIX_WARNED"] = "1"  # launched child processes inherit it: said once per launch
-    sys.stderr.write(
-        f"accel_ds_fix: ACCEL_DS_FIX={os.environ['ACCEL_DS_FIX']!r} is not understood, so the fix stays off. "
-        f"Use one of {', '.join(ON)} to turn it on, or one of {', '.join(repr(v) for v in OFF)} (or unset) for off.\n"
-    )
+# Only where setup.py's .pth line runs this code (that namespace's __name__); imported as accel_ds_fix.pth_file
+# (for ON and OFF) it does nothing.
+if __name__ == "accel_ds_fix_pth":
+    value = os.environ.get("ACCEL_DS_FIX", "").strip().lower()
+    if value in ON:
+        if "accelerate" in sys.modules or "deepspeed" in sys.modules:
+            ActivateAccelDsFix().find_spec("accelerate")
+        elif not any(type(f).__name__ == "ActivateAccelDsFix" for f in sys.meta_path):  # a venv's lib64 -> lib
+            sys.meta_path.insert(0, ActivateAccelDsFix())
+    elif value not in OFF and not os.environ.get("ACCEL_DS_FIX_WARNED"):
+        os.environ["ACCEL_DS_FIX_WARNED"] = "1"  # launched child processes inherit it: said once per launch
+        sys.stderr.write(
+            f"accel_ds_fix: ACCEL_DS_FIX={os.environ['ACCEL_DS_FIX']!r} is not understood, so the fix stays off. "
+            f"Use one of {', '.join(ON)} to turn it on, or one of {', '.join(repr(v) for v in OFF)} (or unset) for off.\n"
+        )

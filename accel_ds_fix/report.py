@@ -7,7 +7,7 @@ import site
 import subprocess
 import sys
 
-from . import __version__, ops, threads, versions
+from . import __version__, ops, pth_file, threads, versions
 
 # What a fresh interpreter with this environment says once it has imported accelerate.
 _PROBE = "import accelerate, sys; m = sys.modules.get('accel_ds_fix'); print(bool(m and m.is_installed()))"
@@ -24,11 +24,11 @@ def _env_value():
     if value is None:
         return "unset (the fix is off unless the script imports accel_ds_fix)"
     normalized = value.strip().lower()
-    if normalized in ("1", "true", "yes", "on"):
+    if normalized in pth_file.ON:
         return f"{value!r}: on"
-    if normalized in ("", "0", "false", "no", "off"):
+    if normalized in pth_file.OFF:
         return f"{value!r}: off"
-    return f"{value!r}: not understood, so off (use 1/true/yes/on or 0/false/no/off)"
+    return f"{value!r}: not understood, so off (use {'/'.join(pth_file.ON)} or {'/'.join(pth_file.OFF[1:])})"
 
 
 def _fresh_process_active():
@@ -60,7 +60,7 @@ def _cuda_lines():
 def _cpu_adam_line():
     try:
         built = ops.is_built("cpu_adam")
-        where = "installed with DeepSpeed" if ops.prebuilt("cpu_adam") else ops.build_directory("cpu_adam")
+        where = ops.location("cpu_adam")
     except Exception as exc:  # DeepSpeed or torch missing or broken: say so, the report goes on
         return f"unknown ({exc!r})"
     if built:

@@ -40,7 +40,7 @@ def test_predicted_host_peak_is_within_ten_percent_of_measured(tmp_path, name):
 
 
 def sd15(**kw):
-    return memory.Workload(params=982_600_000, trainable=982_600_000, largest_trainable=49408 * 768,
+    return memory.Workload(params=982_600_000, trainable=982_600_000, largest_trainable=memory.SD15_LARGEST_TENSOR,
                            activations=memory.SD15_ACTIVATIONS, **kw)
 
 
