@@ -138,9 +138,22 @@ def _fitting_tiers(work, accelerator, capacity, hidden):
     return fitting
 
 
+MODES = {"error": ("error", "1", "true", "yes", "on"), "warn": ("warn",), "off": ("off", "0", "false", "no")}
+
+
+def _mode():
+    value = os.environ.get(ENV, "error")
+    mode = next((m for m, spellings in MODES.items() if value.strip().lower() in spellings), None)
+    if mode is None:  # a typo must not silently change what happens: say so, and check as by default
+        notices.say(f"{ENV}={value!r} is not understood: use error (the default), warn or off; checking as error.",
+                    level=logging.WARNING, once_key=ENV)
+        return "error"
+    return mode
+
+
 def check_before_allocating(plan, config, accelerator):
-    mode = os.environ.get(ENV, "error").strip().lower()
-    if mode in ("off", "0", "false", "no") or accelerator.device.type not in ("cuda", "cpu"):
+    mode = _mode()
+    if mode == "off" or accelerator.device.type not in ("cuda", "cpu"):
         return
     optimizer = plan.optimizers[0] if plan.optimizers else None
     work = workload_of(plan.models, optimizer)

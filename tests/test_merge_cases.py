@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import SCENARIOS
+from conftest import SCENARIOS, clean_env, run
 
 
 def result(proc):
@@ -110,7 +110,6 @@ def test_zero3_models_partitioned_before_prepare_count_full_sizes(scenario):
 
 
 def test_few_cpu_threads_under_offload_are_said(scenario):
-    from conftest import clean_env, run
     from accel_ds_fix.threads import cores_per_process
 
     if cores_per_process() < 2:
@@ -130,6 +129,15 @@ def test_training_too_large_for_the_host_stops_before_allocating(scenario):
     assert "GiB needed at the peak" in line and "GiB available" in line
     assert "3000.1M parameters, 3000.1M trainable" in line
     assert "Nothing was allocated. Set ACCEL_DS_FIX_MEMORY_CHECK=warn to go on anyway." in line
+
+
+def test_memory_check_setting_not_understood_is_said_and_the_check_stays_on():
+    proc = run([sys.executable, SCENARIOS, "too_large_for_host"], env=clean_env(ACCEL_DS_FIX_MEMORY_CHECK="wran"),
+               check=False)
+    assert proc.returncode != 0
+    assert ("ACCEL_DS_FIX_MEMORY_CHECK='wran' is not understood: use error (the default), warn or off; checking as "
+            "error.") in proc.stderr
+    assert "MemoryPlanError: accel_ds_fix: this training will not fit" in proc.stderr
 
 
 def test_one_model_is_left_to_accelerate(scenario):
