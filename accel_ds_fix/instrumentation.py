@@ -33,6 +33,10 @@ PATCHES = {
     "deepspeed.runtime.zero.stage_1_and_2": {
         "DeepSpeedZeroOptimizer._update_model_bit16_weights": "zero_memory.release_after_flatten",
     },
+    # NVMe offload: DeepSpeed loads its pin_memory op into the global symbol scope
+    "deepspeed.ops.op_builder.pin_memory": {
+        "PinMemoryBuilder.load": "symbol_scope.libstdcxx_first",
+    },
     "deepspeed.ops.op_builder.builder": {
         "OpBuilder.jit_load": "op_builds.announce_first_build",
     },
