@@ -5,7 +5,7 @@ import logging
 
 import torch
 
-from . import diagnostics, memory_check, notices, threads, trainability, zero_memory
+from . import diagnostics, memory_check, notices, threads, trainability, zero3_dtypes, zero_memory
 from .gather import add_full_weight_hooks
 from .lookup import deepspeed_config, uses_deepspeed
 from .merged import MergedModels
@@ -16,9 +16,11 @@ from .proxy import ModelProxy
 def _say_if_half_precision_weights(plan):
     # kohya's --full_fp16 casts the trained models to fp16 before prepare() and then patches
     # accelerator.scaler, which is None under DeepSpeed. DeepSpeed's own fp16/bf16 mode already keeps fp32
-    # master weights, so the cast buys nothing here.
+    # master weights, so the cast buys nothing here. Weights zero.Init made (ds_id: transformers under a ZeRO-3
+    # config) are in half precision by DeepSpeed's own doing.
     half = [plan.label(i) for i, m in enumerate(plan.models)
-            if any(p.requires_grad and p.dtype in (torch.float16, torch.bfloat16) for p in m.parameters())]
+            if any(p.requires_grad and p.dtype in (torch.float16, torch.bfloat16) and not hasattr(p, "ds_id")
+                   for p in m.parameters())]
     if half:
         notices.say(
             f"trainable weights of {', '.join(half)} are already in half precision. Under DeepSpeed, train fp32 "
@@ -44,6 +46,9 @@ def prepare(wrapped, instance, args, kwargs):
     if offload_device not in (None, "none"):
         threads.warn_if_few_for_cpu_optimizer()
     description = plan.describe(zero.get("stage"))
+    if zero.get("stage") == 3:
+        dtype = zero3_dtypes.training_dtype(config, getattr(instance, "mixed_precision", None))
+        zero3_dtypes.cast_beside_zero3_initialized(plan.models, dtype)
     merged = MergedModels(plan.models, plan.names)
 
     # The merged module takes the first model's place; the other models leave the call.

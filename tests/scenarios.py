@@ -24,10 +24,10 @@ def scenario(fn):
     return fn
 
 
-def accelerator(zero_stage=2, config=None):
+def accelerator(zero_stage=2, config=None, mixed_precision=None):
     single_process_env()
     plugin = DeepSpeedPlugin(hf_ds_config=config) if config else DeepSpeedPlugin(zero_stage=zero_stage)
-    return Accelerator(deepspeed_plugin=plugin)
+    return Accelerator(deepspeed_plugin=plugin, mixed_precision=mixed_precision)
 
 
 def data(steps=4, batch=2):
@@ -186,6 +186,30 @@ def zero3_partitioned_at_load(reference):
     unet, te, opt, dl = acc.prepare(unet, te, opt, data())
     losses = train(acc, lambda ids, lat: unet(lat, te(ids)), opt, dl, (unet, te))
     return {"losses": losses, "shard_numel": shard_numel}
+
+
+@scenario
+def zero3_partitioned_at_load_bf16(reference):
+    # kohya's train_db.py: the text encoder comes from transformers, built under zero.Init in bf16 because
+    # accelerate keeps a HfDeepSpeedConfig; the UNet is built plainly. The reference builds both plainly.
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}
+    acc = accelerator(config=config, mixed_precision="bf16")
+    set_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path={**config, "bf16": {"enabled": True}}):
+        te = TinyTextEncoder()
+    unet = TinyUNet()
+    if reference:  # the same weights, as a plain fp32 module
+        with torch.random.fork_rng(), deepspeed.zero.GatheredParameters(list(te.parameters())):
+            plain = TinyTextEncoder()
+            plain.load_state_dict({k: v.float() for k, v in te.state_dict().items()})
+        te = plain
+    opt = torch.optim.AdamW([*unet.parameters(), *te.parameters()], lr=1e-2)
+    unet, te, opt, dl = acc.prepare(unet, te, opt, data())
+    losses = train(acc, lambda ids, lat: unet(lat, te(ids)), opt, dl, (unet, te))
+    return {"losses": losses, "dtypes": sorted({str(p.dtype) for p in acc._models[0].parameters()})}
 
 
 @scenario

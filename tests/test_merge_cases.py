@@ -109,6 +109,17 @@ def test_zero3_models_partitioned_before_prepare_count_full_sizes(scenario):
     assert out["losses"][-1] != out["losses"][0]
 
 
+def test_zero3_bf16_model_partitioned_at_load_beside_a_plain_one_trains_in_one_precision(scenario):
+    # kohya's train_db.py under a ZeRO-3 tier: transformers' text encoder arrives as bf16 ZeRO-3 shards, the UNet
+    # in fp32. DeepSpeed alone left the UNet fp32 and stopped (AssertionError in ZeRO-3's defragment).
+    proc = scenario("zero3_partitioned_at_load_bf16")
+    fixed, reference = result(proc), result(scenario("zero3_partitioned_at_load_bf16", "--reference"))
+    assert fixed["dtypes"] == reference["dtypes"] == ["torch.bfloat16"]
+    assert "already in half precision" not in proc.stderr  # DeepSpeed's own doing, not kohya's --full_fp16
+    assert fixed["losses"] == reference["losses"]
+    assert fixed["losses"][-1] != fixed["losses"][0]
+
+
 def test_few_cpu_threads_under_offload_are_said(scenario):
     from accel_ds_fix.threads import cores_per_process
 
