@@ -20,8 +20,15 @@ HOST_BASELINE = {"cuda": 2.6 * GIB, "cpu": 0.7 * GIB}
 SD15_ACTIVATIONS = int(0.42 * GIB)
 # The largest tensor SD1.5 DreamBooth trains: CLIP-L's token embedding (the staging buffer of optimizer offload).
 SD15_LARGEST_TENSOR = 49408 * 768
-# Reserved over allocated GPU memory under ZeRO-3 (H200, SD1.5, 6 GiB cap: 2.04 / 1.86 GiB).
+# Reserved over allocated GPU memory under ZeRO-3 (H200, SD1.5, 6 GiB cap): weights offloaded 2.04 / 1.86 GiB;
+# weights on the GPU, where the allocator also caches the partitioned weights' blocks, 3.42 / 2.56 (NVMe tier)
+# and 3.34 / 2.48 (the same layout, optimizer in RAM).
 STAGE3_RESERVED = 1.10
+STAGE3_RESERVED_WEIGHTS_ON_GPU = 1.35
+# NVMe optimizer offload holds about this much more host memory per trained parameter in training than the
+# buffers listed below account for (measured: 3.2 on the H200 host with SD1.5, 4.3 on the CPU with 51M
+# parameters; not traced to one allocation in DeepSpeed 0.19.8's swapper).
+NVME_UNTRACED_BYTES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +181,7 @@ def predict(work, s, device="cuda", host_baseline=None):
                 host("optimizer states (DeepSpeedCPUAdam)", s.optimizer_state_bytes * T // W)
             else:  # nvme: master weights and optimizer states live on disk, swapped in one sub group at a time
                 host("swap buffers (buffer_count x sub_group_size, pinned)", s.swap_buffers * 4 * largest_sub_group)
+                host("in training, beyond these buffers (measured, not traced)", NVME_UNTRACED_BYTES * T // W)
                 nvme = (m + s.optimizer_state_bytes) * T // W
     if work.activations:
         gpu_train.append(("activations", work.activations))
@@ -192,8 +200,12 @@ def predict(work, s, device="cuda", host_baseline=None):
         host_peak = baseline + max(loaded, deepspeed_host)
         gpu_alloc = max(build, train)
         # ZeRO-1/2: reserved = allocated with the fix's release of ZeRO's freed blocks (zero_memory.py);
-        # ZeRO-3 gathers and frees weights all the time, and the caching allocator keeps ~10% more (measured).
-        gpu_reserved = gpu_alloc if s.stage < 3 else int(gpu_alloc * STAGE3_RESERVED)
+        # ZeRO-3 gathers and frees weights all the time, and the caching allocator keeps 10-35% more (measured).
+        if s.stage < 3:
+            gpu_reserved = gpu_alloc
+        else:
+            factor = STAGE3_RESERVED_WEIGHTS_ON_GPU if s.offload_param == "none" else STAGE3_RESERVED
+            gpu_reserved = int(gpu_alloc * factor)
     parts = [(w, "gpu (construction)", b) for w, b in gpu_build] + [(w, "gpu (training)", b) for w, b in gpu_train]
     parts += [(w, "host", b) for w, b in host_parts] + [("process baseline", "host", baseline)]
     if nvme:

@@ -1,7 +1,10 @@
 """The memory model against measured peaks (host side, on the CPU), and `python -m accel_ds_fix plan`."""
 
 import json
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,12 +19,18 @@ CONFIGS = {
     "zero2": ({"stage": 2}, "no"),
     "zero3-offload-bf16": ({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
                             "sub_group_size": 10000000}, "bf16"),
+    "zero3-nvme-bf16": ({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "NVME", "buffer_count": 4,
+                                                            "fast_init": False},
+                         "sub_group_size": 5000000}, "bf16"),
 }
 
 
 @pytest.mark.parametrize("name", CONFIGS, ids=CONFIGS)
-def test_predicted_host_peak_is_within_ten_percent_of_measured(tmp_path, name):
-    zero, precision = CONFIGS[name]
+def test_predicted_host_peak_is_within_ten_percent_of_measured(tmp_path, request, name):
+    # NVMe swap files need a disk folder (O_DIRECT), where the shipped tier puts them, not a tmpfs /tmp.
+    swap = Path(tempfile.mkdtemp(dir=Path(tiers.DEFAULT_NVME_PATH).parent))
+    request.addfinalizer(lambda: shutil.rmtree(swap, ignore_errors=True))
+    zero, precision = json.loads(json.dumps(CONFIGS[name]).replace("NVME", str(swap)))
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": zero,
               "bf16": {"enabled": "auto"}}
     (tmp_path / "ds.json").write_text(json.dumps(config))
@@ -34,7 +43,7 @@ def test_predicted_host_peak_is_within_ten_percent_of_measured(tmp_path, name):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["params"] > 50_000_000  # large enough that the model, not the interpreter, sets the peak
     grown, predicted = out["peak"] - out["baseline"], out["predicted"] - out["baseline"]
-    assert grown > 0.9 * GIB
+    assert grown > 2 * out["baseline"]  # the training, not the interpreter, sets the peak
     assert abs(out["predicted"] - out["peak"]) <= 0.10 * out["peak"], (name, out["peak"] / GIB, out["predicted"] / GIB)
     assert abs(predicted - grown) <= 0.20 * grown, (name, grown / GIB, predicted / GIB)
 
@@ -59,6 +68,13 @@ def test_predictions_for_sd15_match_the_gpu_measurements_in_docs():
     config["fp16"]["fp16_master_weights_and_grads"] = True
     p = memory.predict(sd15(), memory.Settings.from_config(config, "fp16"), "cuda")
     assert p.host / GIB == pytest.approx(15.9, rel=0.10)
+    # docs/gpu.md run 6, the NVMe tier: 2.56 GiB allocated / 3.42 reserved, 8.73 GiB host (the bench's process
+    # held 0.88 GiB before the models).
+    settings = memory.Settings.from_config(tiers.BY_NAME["zero3-nvme"].deepspeed_config(), "fp16")
+    p = memory.predict(sd15(), settings, "cuda", host_baseline=int(0.88 * GIB))
+    assert p.gpu_allocated / GIB == pytest.approx(2.56, rel=0.10)
+    assert p.gpu_reserved / GIB == pytest.approx(3.42, rel=0.10)
+    assert p.host / GIB == pytest.approx(8.73, rel=0.10)
 
 
 def test_sub_group_size_and_nvme_change_the_host_prediction():
