@@ -93,8 +93,9 @@ TIERS = [
         },
         {"aio": {"block_size": 1048576, "queue_depth": 16, "thread_count": 2, "single_submit": False,
                  "overlap_events": True}},
-        "slow: each step reads and writes the fp32 master weights and Adam states on the disk (about 11 GiB each "
-        "way for SD1.5): 23 s a step on the lent H200 machine's disk, 15x the zero2-offload tier (docs/gpu.md)",
+        "slow: each step reads and writes the fp32 master weights and Adam states on the disk (12 bytes a trained "
+        "parameter each way, 11 GiB for SD1.5): 23 s a step on the lent H200 machine's disk, 15x the zero2-offload "
+        "tier (docs/gpu.md)",
     ),
 ]
 BY_NAME = {tier.name: tier for tier in TIERS}

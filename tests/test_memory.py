@@ -43,7 +43,7 @@ def test_predicted_host_peak_is_within_ten_percent_of_measured(tmp_path, request
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["params"] > 50_000_000  # large enough that the model, not the interpreter, sets the peak
     grown, predicted = out["peak"] - out["baseline"], out["predicted"] - out["baseline"]
-    assert grown > 2 * out["baseline"]  # the training, not the interpreter, sets the peak
+    assert grown > 0.5 * GIB  # the training, not the interpreter (0.35 - 0.45 GiB), sets the peak
     assert abs(out["predicted"] - out["peak"]) <= 0.10 * out["peak"], (name, out["peak"] / GIB, out["predicted"] / GIB)
     assert abs(predicted - grown) <= 0.20 * grown, (name, grown / GIB, predicted / GIB)
 
