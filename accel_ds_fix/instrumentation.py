@@ -30,6 +30,10 @@ PATCHES = {
     "accelerate.utils.dataclasses": {
         "DeepSpeedPlugin.__post_init__": "launch_config.check_config_file",
     },
+    # ZeRO-3: transformers < 4.51 refuses low_cpu_mem_usage=True, which diffusers' loaders pass
+    "transformers.modeling_utils": {
+        "PreTrainedModel.from_pretrained": "zero3_loading.drop_low_cpu_mem_usage",
+    },
     "deepspeed.runtime.zero.stage_1_and_2": {
         "DeepSpeedZeroOptimizer._update_model_bit16_weights": "zero_memory.release_after_flatten",
     },

@@ -213,6 +213,35 @@ def zero3_partitioned_at_load_bf16(reference):
 
 
 @scenario
+def zero3_low_cpu_mem_usage(reference):
+    # diffusers' pipeline loader passes low_cpu_mem_usage=True to each transformers model; transformers < 4.51
+    # refuses it under a ZeRO-3 config (seed-era kohya train_db.py with diffusers 0.25 under a ZeRO-3 tier).
+    # --reference: without the fix.
+    import tempfile
+
+    import deepspeed
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    folder = tempfile.mkdtemp()
+    set_seed(0)
+    saved = CLIPTextModel(CLIPTextConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, max_position_embeddings=TOKENS, projection_dim=16))
+    saved.save_pretrained(folder)
+    accelerator(config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                        "zero_optimization": {"stage": 3}})
+    if reference:
+        accel_ds_fix.uninstall()
+    try:
+        model = CLIPTextModel.from_pretrained(folder, low_cpu_mem_usage=True)
+    except ValueError as e:
+        return {"error": str(e)}
+    params = dict(model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        equal = all(torch.equal(p.data, saved.get_parameter(name).data) for name, p in params.items())
+    return {"partitioned": all(hasattr(p, "ds_id") for p in params.values()), "equal": equal, "count": len(params)}
+
+
+@scenario
 def bnb_8bit_with_offload(reference):
     # bitsandbytes' AdamW8bit under optimizer offload: refused by default (accelerate would swap it for
     # DeepSpeedCPUAdam); with "zero_force_ds_cpu_optimizer": false DeepSpeed steps it on the CPU copy.

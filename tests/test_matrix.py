@@ -24,6 +24,8 @@ MATRIX = {
     "accelerate-1.15.0-deepspeed-0.19.8": ["accelerate==1.15.0", "deepspeed==0.19.8", "transformers"],
 }
 CORE_TESTS = "zero2] or zero3] or zero2-cpu-offload] or without_fix"
+# transformers < 4.51 refuses low_cpu_mem_usage under ZeRO-3 (the points with transformers 4.44 run this too)
+LOADING_TEST = "low_cpu_mem_usage"
 
 
 def make_venv(path, requirements):
@@ -51,6 +53,8 @@ def test_core_training_on_older_releases(point):
     # LOCAL_SIZE: DeepSpeed < 0.15's CPU accelerator otherwise counts NUMA nodes with the numactl program
     # under ZeRO-3; DeepSpeed's own launcher sets it, `python script.py` does not.
     env = clean_env(TORCH_EXTENSIONS_DIR=str(ROOT / ".venvs" / point / "torch_extensions"), LOCAL_SIZE="1")
-    proc = run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_training.py", "-k", CORE_TESTS],
-               env=env, timeout=1200)
-    assert "4 passed" in proc.stdout, proc.stdout[-2000:]
+    proc = run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_training.py", "tests/test_merge_cases.py",
+                "-k", f"{CORE_TESTS} or {LOADING_TEST}"], env=env, timeout=1200)
+    old_transformers = "transformers==4.44.2" in MATRIX[point]
+    expected = "5 passed" if old_transformers else "4 passed, 1 skipped"
+    assert expected in proc.stdout, proc.stdout[-2000:]
