@@ -1,0 +1,65 @@
+"""Validation shim, loaded by zz_kohya_val.pth in the machine's site-packages; does nothing unless KOHYA_VAL_OUT is set.
+
+- KOHYA_VAL_CAP_GIB: cap the card (torch.cuda.set_per_process_memory_fraction) when the Accelerator is made, so
+  only the training process is capped, as a 6 GB card would be.
+- KOHYA_VAL_OUT: a JSON file written at exit: every loss passed to accelerator.backward, the time between backward
+  calls, peak GPU allocated/reserved and the process's peak RSS.
+- KOHYA_VAL_SEED_SHIM=1: the two accelerate behaviours kohya's seed-era script (written for accelerate 0.15) needs
+  from accelerate >= 1.7: Accelerator(logging_dir=...) and unwrap_model("dummy", True) without an error.
+"""
+import atexit
+import json
+import os
+import resource
+import time
+
+OUT = os.environ.get("KOHYA_VAL_OUT")
+_losses, _times = [], []
+
+
+def _write():
+    report = {"losses": _losses, "step_times": _times, "pid": os.getpid(),
+              "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    try:
+        import torch
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            report["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            report["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    except Exception as e:  # the report is best effort: never change the script's exit
+        report["error"] = repr(e)
+    if _losses:  # only the training process (the launcher has none)
+        with open(OUT, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def _patch(accelerate):
+    cls = accelerate.Accelerator
+    init, backward, unwrap = cls.__init__, cls.backward, cls.unwrap_model
+
+    def __init__(self, *args, **kwargs):
+        if os.environ.get("KOHYA_VAL_SEED_SHIM") == "1" and "logging_dir" in kwargs:
+            kwargs["project_dir"] = kwargs.pop("logging_dir")
+        init(self, *args, **kwargs)
+        cap = os.environ.get("KOHYA_VAL_CAP_GIB")
+        if cap:
+            import torch
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(float(cap) * 2**30 / total)
+
+    def backward_(self, loss, *args, **kwargs):
+        _losses.append(float(loss.detach().float().item()))
+        _times.append(time.perf_counter())
+        return backward(self, loss, *args, **kwargs)
+
+    def unwrap_model(self, model, *args, **kwargs):
+        if isinstance(model, str) and os.environ.get("KOHYA_VAL_SEED_SHIM") == "1":
+            return model
+        return unwrap(self, model, *args, **kwargs)
+
+    cls.__init__, cls.backward, cls.unwrap_model = __init__, backward_, unwrap_model
+
+
+if OUT:
+    import wrapt
+    wrapt.register_post_import_hook(_patch, "accelerate")
+    atexit.register(_write)

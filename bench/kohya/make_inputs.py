@@ -1,0 +1,65 @@
+"""Random SD1.5-layout inputs for kohya's train_db.py, offline: a diffusers pipeline folder (UNet, CLIP-L text
+encoder, VAE, scheduler), a CLIP tokenizer with a byte-level vocabulary (kohya's --tokenizer_cache_dir layout and
+the seed era's relative "openai/clip-vit-large-patch14" folder), and N random 512 px images in "1_sks dog".
+
+python make_inputs.py OUT [--tiny] [--images N]
+"""
+import argparse
+import json
+import os
+
+import numpy as np
+import torch
+from PIL import Image
+
+p = argparse.ArgumentParser()
+p.add_argument("out")
+p.add_argument("--tiny", action="store_true", help="tiny text encoder and VAE, SD1.5 UNet layout with 32-wide cross-attention")
+p.add_argument("--images", type=int, default=2)
+p.add_argument("--resolution", type=int, default=512)
+a = p.parse_args()
+torch.manual_seed(0)
+os.makedirs(a.out, exist_ok=True)
+
+from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel  # noqa: E402
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer  # noqa: E402
+from transformers.models.clip.tokenization_clip import bytes_to_unicode  # noqa: E402
+
+# tokenizer: every byte, alone and word-final, no merges (random weights need no real vocabulary)
+tok_dir = os.path.join(a.out, "tok_src")
+os.makedirs(tok_dir, exist_ok=True)
+chars = list(bytes_to_unicode().values())
+vocab = {t: i for i, t in enumerate(chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"])}
+json.dump(vocab, open(os.path.join(tok_dir, "vocab.json"), "w"))
+open(os.path.join(tok_dir, "merges.txt"), "w").write("#version: 0.2\n")
+tokenizer = CLIPTokenizer(os.path.join(tok_dir, "vocab.json"), os.path.join(tok_dir, "merges.txt"),
+                          pad_token="<|endoftext|>", model_max_length=77)
+for where in ("tokenizer_cache/openai_clip-vit-large-patch14", "openai/clip-vit-large-patch14"):
+    tokenizer.save_pretrained(os.path.join(a.out, where))
+
+if a.tiny:
+    # kohya's newest script always builds the SD1.5 UNet layout and loads these weights into it
+    unet = UNet2DConditionModel(sample_size=8, cross_attention_dim=32, attention_head_dim=8)
+    te = CLIPTextModel(CLIPTextConfig(vocab_size=49408, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=77, projection_dim=32, hidden_act="quick_gelu"))
+    vae = AutoencoderKL(block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=8, layers_per_block=1)
+else:
+    unet = UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8)
+    te = CLIPTextModel(CLIPTextConfig(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                      num_attention_heads=12, max_position_embeddings=77, projection_dim=768,
+                                      hidden_act="quick_gelu"))
+    vae = AutoencoderKL(block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=4, layers_per_block=2, sample_size=512)
+scheduler = PNDMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", skip_prk_steps=True)
+pipe = StableDiffusionPipeline(vae=vae, text_encoder=te, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+                               safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+pipe.save_pretrained(os.path.join(a.out, "model"), safe_serialization=True)
+
+data = os.path.join(a.out, "train_data", "1_sks dog")
+os.makedirs(data, exist_ok=True)
+rng = np.random.default_rng(0)
+for i in range(a.images):
+    Image.fromarray(rng.integers(0, 256, (a.resolution, a.resolution, 3), dtype=np.uint8)).save(os.path.join(data, f"{i}.png"))
+print(f"inputs in {a.out}: unet {sum(t.numel() for t in unet.parameters()) / 1e6:.1f}M, "
+      f"text encoder {sum(t.numel() for t in te.parameters()) / 1e6:.1f}M, {a.images} images")
