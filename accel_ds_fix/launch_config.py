@@ -11,6 +11,7 @@ import base64
 import json
 import os
 
+from . import old_accelerate
 from .errors import ConfigError
 
 
@@ -68,4 +69,5 @@ def check_config_file(wrapped, instance, args, kwargs):
             f"{os.path.abspath(os.path.expanduser(config))}, relative to the working directory {os.getcwd()}. "
             + _advice()
         )
+    old_accelerate.fill_accumulation_steps(instance)
     return wrapped(*args, **kwargs)

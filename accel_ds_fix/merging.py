@@ -5,7 +5,7 @@ import logging
 
 import torch
 
-from . import diagnostics, memory_check, notices, threads, trainability, zero3_dtypes, zero_memory
+from . import diagnostics, memory_check, notices, old_accelerate, threads, trainability, zero3_dtypes, zero_memory
 from .gather import add_full_weight_hooks
 from .lookup import deepspeed_config, uses_deepspeed
 from .merged import MergedModels
@@ -33,6 +33,9 @@ def _say_if_half_precision_weights(plan):
 
 def prepare(wrapped, instance, args, kwargs):
     """Accelerator.prepare: merge 2+ models into one module before DeepSpeed sees them."""
+    if uses_deepspeed(instance):
+        old_accelerate.fill_precision(deepspeed_config(instance), getattr(instance, "mixed_precision", None))
+        args = old_accelerate.with_cpu_adam(args, deepspeed_config(instance))
     if sum(isinstance(obj, torch.nn.Module) for obj in args) < 2 or not uses_deepspeed(instance):
         return wrapped(*args, **kwargs)
 

@@ -133,6 +133,8 @@ def _from_bitsandbytes(cls):
 def _offload_keeps(optimizer):
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)):
         return True
+    if type(optimizer).__name__ == "DeepSpeedCPUAdam":  # the optimizer offload runs anyway
+        return True
     cls = type(optimizer)
     if not _from_bitsandbytes(cls):
         return False

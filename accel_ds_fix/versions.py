@@ -36,6 +36,12 @@ def installed_version(package):
         return None
 
 
+def older_than(package, release):
+    """Whether the installed ``package`` is a release before ``release`` (False when it is not installed)."""
+    version = installed_version(package)
+    return version is not None and _release(version) < _release(release)
+
+
 def untested(package, version):
     """A sentence saying why ``version`` is outside the tested range, or None when it is inside."""
     low, high = SUPPORTED[package]

@@ -135,6 +135,23 @@ def sgd_with_offload(reference):
 
 
 @scenario
+def cpu_adam_with_offload(reference):
+    # The script builds DeepSpeed's own CPU optimizer itself (what optimizer offload runs anyway).
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    single_process_env()
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, offload_optimizer_device="cpu"))
+    set_seed(0)
+    unet, te = TinyUNet(), TinyTextEncoder()
+    opt = DeepSpeedCPUAdam([*unet.parameters(), *te.parameters()], lr=1e-2)
+    if reference:
+        merged, opt, dl = acc.prepare(Together(tinyunet=unet, tinytextencoder=te), opt, data())
+        return {"losses": train(acc, merged, opt, dl, (merged,))}
+    unet, te, opt, dl = acc.prepare(unet, te, opt, data())
+    return {"losses": train(acc, lambda ids, lat: unet(lat, te(ids)), opt, dl, (unet, te))}
+
+
+@scenario
 def half_precision_weights(reference):
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="LOG %(name)s %(levelname)s %(message)s")
     single_process_env()

@@ -6,6 +6,7 @@ checked on a GPU by bench/old_accelerate.sh, not here. DeepSpeed before 0.14.4 d
 (torch.distributed.elastic lost `log` and `_get_socket_with_port`).
 """
 
+import json
 import os
 import sys
 import venv
@@ -58,3 +59,41 @@ def test_core_training_on_older_releases(point):
     old_transformers = "transformers==4.44.2" in MATRIX[point]
     expected = "5 passed" if old_transformers else "4 passed, 1 skipped"
     assert expected in proc.stdout, proc.stdout[-2000:]
+
+
+# accelerate 0.15 (kohya's seed-era pin) builds no Accelerator with DeepSpeed on a CPU; what it does with the
+# shipped configs before that runs here with its real DeepSpeedPlugin (the GPU run: docs/gpu.md, run 7).
+OLD_ACCELERATE_PROBE = """
+import json, torch
+from accelerate.utils import DeepSpeedPlugin
+result = {}
+try:
+    DeepSpeedPlugin(hf_ds_config="configs/ds_zero2_offload.json")
+except ValueError as e:
+    result["without_fix"] = str(e)
+import accel_ds_fix
+from accel_ds_fix import old_accelerate
+config = DeepSpeedPlugin(hf_ds_config="configs/ds_zero2_offload.json").deepspeed_config
+old_accelerate.fill_precision(config, "fp16")
+model = torch.nn.Linear(2, 2)
+swapped = old_accelerate.with_cpu_adam((model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)), config)
+result.update(accumulation=config["gradient_accumulation_steps"], fp16=config["fp16"]["enabled"],
+              bf16=config["bf16"]["enabled"], model_kept=swapped[0] is model, optimizer=type(swapped[1]).__name__,
+              params_kept=[id(p) for p in swapped[1].param_groups[0]["params"]] == [id(p) for p in model.parameters()],
+              lr=swapped[1].param_groups[0]["lr"], weight_decay=swapped[1].param_groups[0]["weight_decay"])
+print(json.dumps(result))
+"""
+
+
+def test_accelerate_0_15_takes_the_shipped_configs_with_the_fix():
+    target = ROOT / ".venvs" / "accelerate-0.15.0-alone"
+    if not (target / ".installed").exists():
+        run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, "accelerate==0.15.0"],
+            timeout=300)
+        (target / ".installed").touch()
+    proc = run([sys.executable, "-c", OLD_ACCELERATE_PROBE], env=clean_env(PYTHONPATH=str(target)))
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "without_fix": "gradient_accumulation_steps cannot be set to 'auto' in the DeepSpeed config.",
+        "accumulation": 1, "fp16": True, "bf16": False, "model_kept": True, "optimizer": "DeepSpeedCPUAdam",
+        "params_kept": True, "lr": 1e-3, "weight_decay": 0.01,
+    }

@@ -67,6 +67,12 @@ def test_optimizer_without_cpu_version_under_offload_is_refused(scenario):
     ) in stderr
 
 
+def test_deepspeed_cpu_adam_under_offload_trains_like_hand_written_merge(scenario):
+    fixed, reference = result(scenario("cpu_adam_with_offload")), result(scenario("cpu_adam_with_offload", "--reference"))
+    assert fixed["losses"] == reference["losses"]
+    assert fixed["losses"][0] != fixed["losses"][-1]
+
+
 def test_half_precision_weights_are_explained(scenario):
     proc = scenario("half_precision_weights")
     assert result(proc) == {"scaler": "None"}  # what kohya's --full_fp16 patch would dereference
