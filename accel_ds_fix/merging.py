@@ -1,5 +1,6 @@
 """Accelerator.prepare: the models of one call become one module for one DeepSpeed engine, and each model
-comes back as a proxy. With one model, or without DeepSpeed, accelerate runs untouched."""
+comes back as a proxy. With one model, or without DeepSpeed, accelerate runs untouched (on accelerate 0.15 - 0.17
+the DeepSpeed config and optimizer are first brought to what later releases make of them: old_accelerate.py)."""
 
 import logging
 
