@@ -34,17 +34,20 @@ def _say_if_half_precision_weights(plan):
 
 def prepare(wrapped, instance, args, kwargs):
     """Accelerator.prepare: merge 2+ models into one module before DeepSpeed sees them."""
-    if uses_deepspeed(instance):
-        old_accelerate.fill_precision(deepspeed_config(instance), getattr(instance, "mixed_precision", None))
-        args = old_accelerate.with_cpu_adam(args, deepspeed_config(instance))
-    if sum(isinstance(obj, torch.nn.Module) for obj in args) < 2 or not uses_deepspeed(instance):
+    if not uses_deepspeed(instance):
         return wrapped(*args, **kwargs)
-
-    plan = MergePlan(args)
     config = deepspeed_config(instance)
     zero = config.get("zero_optimization", {})
     offload_device = zero.get("offload_optimizer", {}).get("device", "none")
-    plan.check(offload_device=offload_device, force_cpu_optimizer=config.get("zero_force_ds_cpu_optimizer", True))
+    force_cpu_optimizer = config.get("zero_force_ds_cpu_optimizer", True)
+    old_accelerate.fill_precision(config, getattr(instance, "mixed_precision", None))
+    if offload_device not in (None, "none") and force_cpu_optimizer:
+        args = old_accelerate.with_cpu_adam(args)
+    if sum(isinstance(obj, torch.nn.Module) for obj in args) < 2:
+        return wrapped(*args, **kwargs)
+
+    plan = MergePlan(args)
+    plan.check(offload_device=offload_device, force_cpu_optimizer=force_cpu_optimizer)
     memory_check.check_before_allocating(plan, config, instance)
     _say_if_half_precision_weights(plan)
     if offload_device not in (None, "none"):

@@ -45,11 +45,9 @@ def fill_precision(config, mixed_precision):
             section["enabled"] = mixed_precision == precision
 
 
-def with_cpu_adam(args, config):
-    """prepare()'s arguments with a torch Adam/AdamW swapped for DeepSpeedCPUAdam under optimizer offload."""
-    offload = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
-    if (offload in (None, "none") or not config.get("zero_force_ds_cpu_optimizer", True)
-            or not versions.older_than("accelerate", SWAPS_IN_CPU_ADAM)):
+def with_cpu_adam(args):
+    """prepare()'s arguments, under optimizer offload, with a torch Adam/AdamW swapped for DeepSpeedCPUAdam."""
+    if not versions.older_than("accelerate", SWAPS_IN_CPU_ADAM):
         return args
     return tuple(cpu_adam_like(obj) if isinstance(obj, (torch.optim.Adam, torch.optim.AdamW)) else obj
                  for obj in args)
