@@ -14,15 +14,16 @@ import os
 import sys
 
 from . import manifest, nvme_resume, trainability
-from .gather import is_partitioned, shards
+from .gather import copied_by_hook, shards
 from .lookup import merged_engine
 from .proxy import unwrap
 
 
 class ModelWeights(collections.abc.Mapping):
-    """Under ZeRO-3, one model's entry in a save hook's ``weights``: its state dict, gathered only if the hook
-    reads it (most hooks only pop the entry; gathering a whole model costs its size again). Pickled (torch.save)
-    as the plain dict it stands for."""
+    """One model's entry in a save hook's ``weights`` where reading its state dict means copying it (ZeRO-3
+    gathers, ZeRO-1/2 copy out of DeepSpeed's flat buffer): read only if the hook reads it (most hooks only pop
+    the entry; a copy of a whole model costs its size again). Pickled (torch.save) as the plain dict it stands
+    for."""
 
     def __init__(self, model):
         self._model = model
@@ -51,8 +52,8 @@ class ModelWeights(collections.abc.Mapping):
 
 def _weights_entry(model):
     """What accelerate's weights list holds for a model without DeepSpeed: its state dict (tensor references,
-    no copies); under ZeRO-3, where that means gathering, the same read only when used."""
-    if any(is_partitioned(p) for p in model.parameters()):
+    no copies); where that means copying (gather.py), the same read only when used."""
+    if any(copied_by_hook(p) for p in model.parameters()):
         return ModelWeights(model)
     return model.state_dict()
 

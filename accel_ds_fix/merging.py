@@ -80,7 +80,7 @@ def prepare(wrapped, instance, args, kwargs):
     trainability.remember(engine)
     # What construction freed after the hook's last release (ZeRO-2's partition clone, ZeRO-3's gathers) goes back too.
     zero_memory.release_cached_blocks(getattr(engine, "device", None))
-    add_full_weight_hooks(plan.models)  # ZeRO-3 only: state_dict() gives full tensors, never shape [0]
+    add_full_weight_hooks(plan.models)  # state_dict() gives full, separate tensors (ZeRO-3: never shape [0])
     diagnostics.watch(zero.get("stage"))
     if instance.is_main_process:
         notices.say(description)

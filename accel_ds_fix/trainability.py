@@ -16,10 +16,24 @@ def _optimized(param):
     return param.requires_grad and full_numel(param) > 0
 
 
+def _stepped_whatever_the_gradient(engine):
+    """Ids of the parameters DeepSpeed's optimizer holds in its flat groups (ZeRO-1/2/3, fp16/bf16): it steps
+    each of them every step, with a zero gradient where none came. A plain torch optimizer (ZeRO-0, fp32) skips
+    a parameter without gradient, as without DeepSpeed."""
+    optimizer = getattr(engine, "optimizer", None)
+    for attribute in ("bit16_groups", "fp16_groups", "bf16_groups"):
+        groups = getattr(optimizer, attribute, None)
+        if groups is not None:
+            return {id(p) for group in groups for p in group}
+    return set()
+
+
 def remember(engine):
-    """Record which parameters the engine's optimizer took (called right after prepare() built it)."""
+    """Record which parameters were trainable and which the engine's optimizer took (called right after
+    prepare() built it)."""
     params = list(engine.module.parameters())
     engine._accel_ds_fix_trained = {id(p) for p in params if _optimized(p)}
+    engine._accel_ds_fix_stepped = _stepped_whatever_the_gradient(engine)
     engine._accel_ds_fix_params = params
     engine._accel_ds_fix_flags = tuple(p.requires_grad for p in params)
 
@@ -42,19 +56,22 @@ def frozen_names(merged):
 
 
 def _changed(engine):
+    """Names of the parameters made trainable after prepare(), of those frozen after it that DeepSpeed's
+    optimizer still steps, and of those frozen after it that it does not step (which changes nothing)."""
     trained = getattr(engine, "_accel_ds_fix_trained", None)
     if trained is None:
-        return [], []
-    turned_on, turned_off = [], []
+        return [], [], []
+    stepped = engine._accel_ds_fix_stepped
+    turned_on, turned_off, harmless = [], [], []
     for name, param in engine.module.named_parameters():
         if full_numel(param) == 0:
             continue
-        owned = id(param) in trained
-        if param.requires_grad and not owned:
+        was_trainable = id(param) in trained
+        if param.requires_grad and not was_trainable:
             turned_on.append(name)
-        elif owned and not param.requires_grad:
-            turned_off.append(name)
-    return turned_on, turned_off
+        elif was_trainable and not param.requires_grad:
+            (turned_off if id(param) in stepped else harmless).append(name)
+    return turned_on, turned_off, harmless
 
 
 def _listed(names):
@@ -66,7 +83,13 @@ def warn_if_changed(engine):
     """Say once per engine when parameters changed requires_grad after prepare()."""
     if getattr(engine, "_accel_ds_fix_trainability_said", False):
         return
-    turned_on, turned_off = _changed(engine)
+    turned_on, turned_off, harmless = _changed(engine)
+    if harmless and not getattr(engine, "_accel_ds_fix_harmless_said", False):
+        engine._accel_ds_fix_harmless_said = True
+        # kohya's train_network.py freezes the UNet and text encoder after prepare(): nothing to warn about.
+        notices.logger.debug(
+            "%d parameter(s) were frozen after accelerator.prepare() (%s): DeepSpeed's optimizer does not "
+            "step them, so this changes nothing", len(harmless), _listed(harmless))
     if not (turned_on or turned_off):
         return
     engine._accel_ds_fix_trainability_said = True

@@ -14,6 +14,7 @@ import venv
 import pytest
 
 from conftest import ROOT, clean_env, run
+from old_releases import installed_alone
 
 MATRIX = {
     # the oldest accelerate whose DeepSpeed path runs on a CPU, with the oldest DeepSpeed that imports here
@@ -86,11 +87,7 @@ print(json.dumps(result))
 
 
 def test_accelerate_0_15_takes_the_shipped_configs_with_the_fix():
-    target = ROOT / ".venvs" / "accelerate-0.15.0-alone"
-    if not (target / ".installed").exists():
-        run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, "accelerate==0.15.0"],
-            timeout=300)
-        (target / ".installed").touch()
+    target = installed_alone("accelerate==0.15.0", ROOT / ".venvs" / "accelerate-0.15.0-alone")
     proc = run([sys.executable, "-c", OLD_ACCELERATE_PROBE], env=clean_env(PYTHONPATH=str(target)))
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
         "without_fix": "gradient_accumulation_steps cannot be set to 'auto' in the DeepSpeed config.",
