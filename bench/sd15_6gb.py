@@ -10,6 +10,12 @@ gradient checkpointing, AdamW at lr 1e-6) on one GPU capped at --cap-gib, each v
   zero2-fp16-master zero2-offload with fp16 master weights and gradients (DeepSpeed's fp16_master_weights_and_grads)
   lora              LoRA rank 8 on UNet + text encoder (peft), frozen fp16 base, plain accelerate, torch AdamW
   lora-zero2        the same LoRA through the fix under ZeRO-2 (no offload)
+  lora-network      kohya's January 2023 train_network.py shape (tests/kohya_lora.py): a LoRA network module of its
+                    own (rank 8, alpha 1, 192 UNet + 72 text-encoder layers patched), prepare(unet, text_encoder,
+                    network, ...) with only the network in the optimizer, the UNet and text encoder frozen after
+                    prepare() (UNet cast to fp16 then, as kohya does), plain accelerate; at the end the network is
+                    saved as kohya saves it (state_dict() through safetensors' save_file, no save precision)
+  lora-network-zero2-offload  the same through the fix with the zero2-offload tier
 
 For each: peak GPU memory (allocated/reserved, split into engine construction and training), peak host RSS,
 the memory model's prediction beside them, median step time, losses, and how many weight tensors (and
@@ -17,6 +23,7 @@ elements) changed from their initial fp16 values: at lr 1e-6, fp16 master weight
 
     python bench/sd15_6gb.py --variants zero2-offload,zero3-nvme,zero3-offload --nvme-path /mnt/nvme/x --out r.json
     python bench/sd15_6gb.py --tiny --variants zero2-offload --out r.json    # a smoke test on the CPU
+    python bench/sd15_6gb.py --variants lora-network,lora-network-zero2-offload --lr 1e-4 --out lora.json
 """
 
 import argparse
@@ -49,7 +56,11 @@ VARIANTS = {
     "zero3-gpu-params": ("fix", "zero3-gpu-params", True, {}),
     "lora": ("lora", None, True, {}),
     "lora-zero2": ("lora-fix", "zero2", True, {}),
+    "lora-network": ("kohya-network", None, True, {}),
+    "lora-network-zero2-offload": ("kohya-network-fix", "zero2-offload", True, {}),
 }
+# Variants that run without the fix (accelerate alone).
+WITHOUT_FIX = ("plain", "lora", "kohya-network")
 
 
 def rss():
@@ -180,6 +191,50 @@ def add_lora(unet, text_encoder, rank=8):
                                         target_modules=["q_proj", "k_proj", "v_proj", "out_proj"]))
 
 
+def kohya_network(unet, text_encoder):
+    """kohya's LoRA network for SD1.5, patched into both models (its own forward is never called)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from kohya_lora import LoRANetwork
+
+    network = LoRANetwork.for_stable_diffusion(text_encoder, unet, rank=8, alpha=1.0)
+    network.apply_to()
+    return network
+
+
+def freeze_as_kohya(unet, text_encoder, device, half):
+    """What train_network.py does right after prepare(): both models frozen, the UNet cast to the training
+    precision; with gradient checkpointing the text encoder's embeddings stay trainable, so that its checkpointed
+    layers (and their LoRA) get gradients."""
+    unet.requires_grad_(False)
+    unet.to(device, dtype=half)
+    text_encoder.requires_grad_(False)
+    text_encoder.to(device)
+    getattr(text_encoder, "text_model", text_encoder).embeddings.requires_grad_(True)  # transformers 5: no text_model
+
+
+def save_as_kohya(network, path, cuda):
+    """network.save_weights() without a save precision: its state_dict() straight into safetensors' save_file."""
+    import torch
+    from safetensors.torch import save_file
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if cuda else 0
+    start = time.perf_counter()
+    result = {}
+    try:
+        network.save_weights(str(path), save_file)
+    except RuntimeError as exc:
+        result["save_error"] = str(exc).strip().splitlines()[0][:160]
+    result.update(save_s=time.perf_counter() - start, saved_mib=path.stat().st_size / 2**20 if path.exists() else 0,
+                  peak_rss_after_save_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB)
+    if cuda:  # what the save added on the card (the fix copies to the host, one tensor at a time)
+        result["save_gpu_extra_gib"] = (torch.cuda.max_memory_allocated() - before) / GIB
+    path.unlink(missing_ok=True)
+    return result
+
+
 def worker(name, args):
     import torch
 
@@ -189,7 +244,7 @@ def worker(name, args):
     precision = "fp16" if cuda else "bf16"
     if capped and cuda:
         torch.cuda.set_per_process_memory_fraction(args.cap_gib * GIB / torch.cuda.get_device_properties(0).total_memory)
-    if mode != "plain" and mode != "lora":
+    if mode not in WITHOUT_FIX:
         import accel_ds_fix  # noqa: F401
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
@@ -221,6 +276,7 @@ def worker(name, args):
         (torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")).sum().item()
     result = {"variant": name, "rss_before_models_gib": rss() / GIB}
     unet, text_encoder = build_models(args.tiny)
+    network = None
     if mode.startswith("lora"):
         add_lora(unet, text_encoder)
         if cuda:  # diffusers' LoRA scripts keep the frozen base in the training precision
@@ -228,11 +284,15 @@ def worker(name, args):
                 for p in model.parameters():
                     if not p.requires_grad:
                         p.data = p.data.to(half)
-    models = (unet, text_encoder)
+    if mode.startswith("kohya-network"):
+        network = kohya_network(unet, text_encoder)
+    models = (unet, text_encoder) if network is None else (unet, text_encoder, network)
+    trained = models if network is None else (network,)  # kohya's models are frozen only after prepare()
     initial = Path(args.out).with_suffix(f".{name}.initial.bin")
-    save_initial(models, initial)
-    params = [p for m in models for p in m.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr)
+    save_initial(trained, initial)
+    params = [p for m in trained for p in m.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params if network is None else network.prepare_optimizer_params(args.lr, args.lr),
+                                  lr=args.lr)
     result["params_m"] = sum(p.numel() for m in models for p in m.parameters()) / 1e6
     result["trainable_m"] = sum(p.numel() for p in params) / 1e6
     if config_name is not None:
@@ -261,8 +321,15 @@ def worker(name, args):
             merged = hand_merged(unet, text_encoder, "cuda" if cuda else "cpu", half)
             merged, optimizer, loader = accelerator.prepare(merged, optimizer, loader)
             forward = merged
+        elif network is not None:
+            unet, text_encoder, network, optimizer, loader = accelerator.prepare(unet, text_encoder, network, optimizer,
+                                                                                 loader)
+            freeze_as_kohya(unet, text_encoder, accelerator.device, half)
+            trained = (network,)
         else:
             unet, text_encoder, optimizer, loader = accelerator.prepare(unet, text_encoder, optimizer, loader)
+            trained = (unet, text_encoder)
+        if mode != "hand":
 
             def forward(ids, noisy, t):
                 with accelerator.autocast():
@@ -289,9 +356,12 @@ def worker(name, args):
             losses.append(loss.item())
         result.update(status="ok", step_s=statistics.median(times[2:]), losses=losses,
                       peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB)
-        c, tensors, ce, elements = changed_from_initial([accelerator.unwrap_model(unet), accelerator.unwrap_model(text_encoder)]
+        c, tensors, ce, elements = changed_from_initial([accelerator.unwrap_model(m) for m in trained]
                                                         if mode != "hand" else [merged.module], initial)
         result.update(changed_tensors=c, trainable_tensors=tensors, changed_elements=ce, trainable_elements=elements)
+        if network is not None:
+            result.update(save_as_kohya(accelerator.unwrap_model(network),
+                                        Path(args.out).with_suffix(f".{name}.safetensors"), cuda))
     except torch.cuda.OutOfMemoryError as exc:
         result.update(status="OOM", error=str(exc).splitlines()[0][:160])
     finally:
@@ -341,12 +411,13 @@ def main():
 
 def report(results):
     nan = float("nan")
-    print(f"\n{'variant':<18}{'status':<7}{'alloc':>7}{'reserved':>9}{'pred':>6}{'host':>7}{'pred':>6}"
+    width = max([18] + [len(r["variant"]) + 1 for r in results])
+    print(f"\n{'variant':<{width}}{'status':<7}{'alloc':>7}{'reserved':>9}{'pred':>6}{'host':>7}{'pred':>6}"
           f"{'s/step':>8}{'changed tensors':>17}{'elements':>10}")
     for r in results:
         changed = f"{r['changed_tensors']}/{r['trainable_tensors']}" if "changed_tensors" in r else "-"
         elements = f"{r['changed_elements'] / max(r['trainable_elements'], 1):.1%}" if "changed_elements" in r else "-"
-        print(f"{r['variant']:<18}{r['status'][:6]:<7}{r.get('peak_allocated_gib', nan):>7.2f}"
+        print(f"{r['variant']:<{width}}{r['status'][:6]:<7}{r.get('peak_allocated_gib', nan):>7.2f}"
               f"{r.get('peak_reserved_gib', nan):>9.2f}{r.get('predicted_gpu_reserved_gib', nan):>6.2f}"
               f"{r.get('peak_rss_gib', nan):>7.2f}{r.get('predicted_host_gib', nan):>6.2f}"
               f"{r.get('step_s', nan):>8.3f}{changed:>17}{elements:>10}")
