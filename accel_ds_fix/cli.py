@@ -1,12 +1,15 @@
 """The command line: `python -m accel_ds_fix` reports whether the fix is active here; `python -m accel_ds_fix
 plan` says which DeepSpeed config fits a model on a machine and writes it; `python -m accel_ds_fix build-ops`
-compiles DeepSpeed's ops ahead of the first run. Only calls the library."""
+compiles DeepSpeed's ops ahead of the first run; `python -m accel_ds_fix get-libaio` unpacks libaio without root.
+Only calls the library."""
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 
-from . import memory, ops, planner, report, tiers
+from . import libaio, memory, nvme_speed, ops, planner, report, tiers
 
 GIB = memory.GIB
 
@@ -28,8 +31,15 @@ def _plan_parser(sub):
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.add_argument("--write", metavar="DIR", help="write the recommended (or --tier) config pair into DIR")
     p.add_argument("--tier", choices=[t.name for t in tiers.TIERS], help="the tier to write instead")
-    p.add_argument("--nvme-path", default=tiers.DEFAULT_NVME_PATH,
-                   help="folder on an NVMe disk for the zero3-nvme tier's optimizer states")
+    p.add_argument("--nvme-path",
+                   help="folder on an NVMe disk for the zero3-nvme tier's optimizer states (default "
+                        f"{tiers.DEFAULT_NVME_PATH}); given, its read and write speed is measured (a few seconds) "
+                        "and the tier's time a step predicted")
+    p.add_argument("--steps", type=int, help="optimizer steps of the run (kohya's --max_train_steps): hours and "
+                                             "bytes written to the SSD for the NVMe tier")
+    p.add_argument("--compute-seconds", type=float, default=nvme_speed.DEFAULT_COMPUTE_SECONDS,
+                   help="seconds of a training step outside the disk (forward, backward, CPU Adam; default "
+                        f"{nvme_speed.DEFAULT_COMPUTE_SECONDS}: SD1.5 measured on an H200 host, a laptop GPU is slower)")
 
 
 def _plan(args):
@@ -50,17 +60,24 @@ def _plan(args):
         missing = " and ".join(n for n, v in (("--gpu-memory", machine.gpu), ("--host-memory", machine.host)) if not v)
         print(f"accel_ds_fix plan: no CUDA device or memory size found here: give {missing}", file=sys.stderr)
         return 2
-    rows, recommended = planner.plan(work, machine, args.mixed_precision, args.num_processes)
+    nvme_path = args.nvme_path or tiers.DEFAULT_NVME_PATH
+    # DeepSpeed, imported for the NVMe tier's checks, logs to stdout: keep stdout for the plan (and its JSON).
+    with contextlib.redirect_stdout(sys.stderr):
+        rows, recommended = planner.plan(work, machine, args.mixed_precision, args.num_processes, nvme_path)
+        timing = _nvme_timing(args, work, rows) if args.nvme_path else None
     chosen = args.tier or recommended
-    written = tiers.write(tiers.BY_NAME[chosen], args.write, nvme_path=args.nvme_path) if args.write and chosen else None
+    written = _write(chosen, args.write, nvme_path) if args.write and chosen else None
     if args.json:
         print(json.dumps({"params": params, "trainable": trainable, "source": source,
                           "gpu_gib": round(machine.gpu / GIB, 2), "host_gib": round(machine.host / GIB, 2),
                           "gpu_usable_gib": round(machine.gpu_usable / GIB, 2),
                           "host_usable_gib": round(machine.host_usable / GIB, 2),
-                          "tiers": rows, "recommended": recommended, "written": written}, indent=1))
+                          "tiers": rows, "recommended": recommended, "nvme_timing": timing, "written": written},
+                         indent=1))
     else:
         _print_plan(params, trainable, source, machine, args, rows, recommended)
+        if timing:
+            _print_timing(timing, args)
         if written:
             print(f"\nwrote {written[0]}\n      {written[1]}\nrun:  ACCEL_DS_FIX=1 accelerate launch --config_file "
                   f"{written[0]} YOUR_SCRIPT.py ... --mixed_precision {args.mixed_precision}")
@@ -69,6 +86,45 @@ def _plan(args):
               file=sys.stderr)
         return 1
     return 0
+
+
+def _write(tier_name, folder, nvme_path):
+    try:
+        return tiers.write(tiers.BY_NAME[tier_name], folder, nvme_path=nvme_path)
+    except OSError as exc:
+        raise ValueError(f"cannot write the config into {folder}: {exc.strerror}") from exc
+
+
+def _nvme_timing(args, work, rows):
+    """Measure the NVMe folder's disk and predict the NVMe tier's step; None where the tier cannot run here."""
+    row = next(r for r in rows if r["tier"] == "zero3-nvme")
+    if not row["can_run_here"]:
+        return {"measured": False, "why_not": row["cannot_run_here"]}
+    aio = tiers.BY_NAME["zero3-nvme"].deepspeed_config(args.nvme_path).get("aio", {})
+    speed = nvme_speed.measure(args.nvme_path, aio)
+    return {"measured": True, "folder": args.nvme_path, "read_gb_per_s": round(speed.read / 1e9, 3),
+            "write_gb_per_s": round(speed.write / 1e9, 3), "disk": speed.describe(),
+            "compute_seconds": args.compute_seconds, "steps": args.steps,
+            "per_accumulation": planner.nvme_step_times(work, speed, args.compute_seconds, args.steps)}
+
+
+def _print_timing(timing, args):
+    if not timing["measured"]:
+        print(f"\nNVMe folder not measured: zero3-nvme cannot run here ({timing['why_not']})")
+        return
+    print(f"\nNVMe folder {timing['folder']}: its disk {timing['disk']} (measured now)")
+    print(f"zero3-nvme, predicted: the disk's time plus {timing['compute_seconds']:.1f} s a batch outside it "
+          "(--compute-seconds)")
+    steps = timing["steps"]
+    print(f"  {'accumulation':<14}{'s/step':>8}{'disk s':>8}" + (f"{'hours for ' + str(steps) + ' steps':>22}"
+                                                                   f"{'written to the SSD':>21}" if steps else ""))
+    for r in timing["per_accumulation"]:
+        line = f"  {r['gradient_accumulation']:<14}{r['seconds_per_step']:>8.1f}{r['disk_seconds']:>8.1f}"
+        if steps:
+            line += f"{r['hours']:>22.1f}{r['disk_written_gb'] / 1000:>18.1f} TB"
+        print(line)
+    print("  (the disk's part comes once per optimizer step: accumulating k batches spreads it over k batches; "
+          f"each step writes {timing['per_accumulation'][0]['written_per_step_gb']:.1f} GB)")
 
 
 def _print_plan(params, trainable, source, machine, args, rows, recommended):
@@ -82,18 +138,39 @@ def _print_plan(params, trainable, source, machine, args, rows, recommended):
     for r in rows:
         verdict = "yes" if r["fits"] else "no: " + " and ".join(
             n for n, ok in (("GPU", r["fits_gpu"]), ("host", r["fits_host"])) if not ok)
+        if not r["can_run_here"]:
+            verdict += ", and cannot run here (below)"
         nvme = f"{r['nvme_gib']:.1f} GiB" if r["nvme_gib"] else "-"
         print(f"{r['tier']:<15}{r['gpu_reserved_gib']:>9.1f} GiB{r['host_gib']:>7.1f} GiB{nvme:>9}  {verdict}")
     for r in rows:
         if r["caveat"]:
             print(f"  {r['tier']}: {r['caveat']}")
+        if not r["can_run_here"]:
+            print(f"  {r['tier']}: cannot run here: {r['cannot_run_here']}")
+        for note in r["notes"]:
+            print(f"  {r['tier']}: {note}")
     if recommended:
         tier = tiers.BY_NAME[recommended]
         print(f"\nrecommended: {recommended}: {tier.title}.")
         if not args.write:
             print("write it:    python -m accel_ds_fix plan ... --write DIR")
     else:
-        print("\nno tier fits: train fewer parameters (LoRA, see the README), or use a machine with more memory.")
+        print("\nno tier fits and runs here: train fewer parameters (LoRA, see the README), use a machine with more "
+              "memory, or provide what a tier above lacks.")
+
+
+def _get_libaio(folder):
+    if libaio.on_system():
+        print("libaio: the system has it (libaio.h and libaio.so); nothing to fetch")
+        return 0
+    try:
+        folder = libaio.fetch(folder)
+    except libaio.LibaioError as exc:
+        print(f"libaio: {exc}", file=sys.stderr)
+        return 1
+    if os.path.abspath(folder) != os.path.abspath(libaio.default_folder()):
+        print(f"libaio: runs that should use it need {libaio.ENV}={folder} in their environment")
+    return 0
 
 
 def main(argv=None):
@@ -105,7 +182,15 @@ def main(argv=None):
                    description="Compile cpu_adam (optimizer offload), async_io (NVMe offload, needs libaio) and, on "
                                "the CPU backend, DeepSpeed's shared-memory collectives, into torch's extension cache "
                                "(TORCH_EXTENSIONS_DIR), so the first training run does not stall in prepare().")
+    fetch = sub.add_parser("get-libaio", help="without root: unpack Debian's libaio for the NVMe tier's async_io op",
+                           description="Download Debian's libaio-dev and libaio packages (apt-get download, no root) "
+                                       "and unpack them into DIR, where the fix finds them when DeepSpeed builds "
+                                       "or loads its async_io op. Nothing to do where the system has libaio.")
+    fetch.add_argument("folder", nargs="?", metavar="DIR",
+                       help=f"where to unpack (default: ${libaio.ENV}, else {libaio.default_folder()})")
     args = parser.parse_args(argv)
+    if args.command == "get-libaio":
+        return _get_libaio(args.folder)
     if args.command == "build-ops":
         return 0 if ops.build(report=lambda line: print(line, flush=True)) else 1
     if args.command == "plan":

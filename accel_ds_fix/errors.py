@@ -11,3 +11,7 @@ class ConfigError(ValueError):
 
 class MemoryPlanError(MemoryError):
     """A training that cannot fit the machine's GPU or host memory with the DeepSpeed config given."""
+
+
+class PrerequisiteError(RuntimeError):
+    """A DeepSpeed config this machine cannot run (NVMe offload without libaio or a direct-I/O folder)."""

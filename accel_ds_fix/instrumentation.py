@@ -37,6 +37,11 @@ PATCHES = {
     "deepspeed.runtime.zero.stage_1_and_2": {
         "DeepSpeedZeroOptimizer._update_model_bit16_weights": "zero_memory.release_after_flatten",
     },
+    # ZeRO-3 NVMe optimizer offload: the step's gradients from host memory, not a write and read on the disk
+    "deepspeed.runtime.zero.stage3": {
+        "DeepSpeedZeroOptimizer_Stage3._offload_grad_partition_at_boundary": "nvme_gradients.keep_on_host",
+        "DeepSpeedZeroOptimizer_Stage3._swap_out_offload_fp32_gradients": "nvme_gradients.hand_to_swapper",
+    },
     # NVMe offload: DeepSpeed loads its pin_memory op into the global symbol scope
     "deepspeed.ops.op_builder.pin_memory": {
         "PinMemoryBuilder.load": "symbol_scope.libstdcxx_first",

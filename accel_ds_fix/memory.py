@@ -112,6 +112,12 @@ class Prediction:
         return {k: round(getattr(self, k) / GIB, 2) for k in ("gpu_allocated", "gpu_reserved", "host", "nvme")}
 
 
+def checkpoint_bytes(work, s):
+    """What one save_state writes, about: the fp32 master weights and optimizer states of every trained parameter,
+    and the model's weights in the training precision (a NVMe-tier checkpoint copies the swapped states in)."""
+    return (s.master_bytes + s.optimizer_state_bytes) * work.trainable + s.half_bytes * work.params
+
+
 def _pinned(nbytes, device):
     # torch's caching host allocator hands out page-locked blocks rounded up to a power of two.
     if device != "cuda" or nbytes <= 0:

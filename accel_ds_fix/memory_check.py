@@ -11,14 +11,13 @@ import os
 
 import torch
 
-from . import memory, notices
-from .errors import MemoryPlanError
+from . import memory, notices, nvme_prerequisites
+from .errors import MemoryPlanError, PrerequisiteError
 from .gather import full_numel
 from .merged import hidden_size_of
 
 ENV = "ACCEL_DS_FIX_MEMORY_CHECK"
 GIB = memory.GIB
-TMPFS_MAGIC = 0x01021994
 
 
 def _proc_bytes(path, key):
@@ -44,6 +43,9 @@ def _rss():
 def workload_of(models, optimizer=None):
     params = {id(p): p for m in models for p in m.parameters()}.values()
     trainable = [p for p in params if p.requires_grad]
+    if isinstance(optimizer, torch.optim.Optimizer):  # DeepSpeed trains what the optimizer holds, no more
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        trainable = [p for p in trainable if id(p) in held]
     total = sum(full_numel(p) for p in params)
     weight_bytes = round(sum(full_numel(p) * p.element_size() for p in params) / total) if total else 4
     groups = ()
@@ -100,32 +102,6 @@ class Capacity:
         return problems
 
 
-def _nvme_problems(config, prediction):
-    path = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("nvme_path")
-    if not path:
-        return []
-    existing = path
-    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(existing)
-    problems = []
-    stats = os.statvfs(existing)
-    if stats.f_bavail * stats.f_frsize < prediction.nvme:
-        problems.append(f"disk: the NVMe offload folder {path} needs {_gib(prediction.nvme)}, its disk has "
-                        f"{_gib(stats.f_bavail * stats.f_frsize)} free")
-    try:  # os.statvfs has no filesystem type: the mount table has
-        with open("/proc/mounts", encoding="utf-8") as f:
-            mounts = [line.split() for line in f]
-        real = os.path.realpath(existing)
-        mount = max((m for m in mounts if real == m[1] or real.startswith(m[1].rstrip("/") + "/")),
-                    key=lambda m: len(m[1]), default=None)
-        if mount and mount[2] in ("tmpfs", "ramfs"):
-            problems.append(f"disk: the NVMe offload folder {path} is on {mount[2]} ({mount[1]}), which is host "
-                            "memory: the optimizer states would fill RAM after all. Set nvme_path to a folder on a disk")
-    except OSError:
-        pass
-    return problems
-
-
 def _fitting_tiers(work, accelerator, capacity, hidden):
     from .tiers import TIERS
 
@@ -136,6 +112,29 @@ def _fitting_tiers(work, accelerator, capacity, hidden):
         if not capacity.shortfalls(memory.predict(work, settings, capacity.device, host_baseline=0)):
             fitting.append(tier)
     return fitting
+
+
+def runnable_tiers_sentence(work, accelerator, capacity, hidden):
+    """Which shipped tiers fit this machine's memory and have what they need here, as a sentence."""
+    runnable = [t for t in _fitting_tiers(work, accelerator, capacity, hidden)
+                if not nvme_prerequisites.problems(t.deepspeed_config())]
+    if not runnable:
+        return "None of the shipped configs runs here either: train fewer parameters (LoRA), or on a larger machine"
+    return "Shipped configs that run here: " + ", ".join(f"{t.name} (configs/{t.yaml_name})" for t in runnable)
+
+
+def check_prerequisites(models, optimizer, config, accelerator):
+    """A config that offloads to NVMe: stop before anything is allocated when this machine cannot run it."""
+    problems = nvme_prerequisites.problems(config, load=True)
+    if not problems:
+        return
+    work = workload_of(models, optimizer)
+    hidden = max(hidden_size_of(m) for m in models)
+    tiers = runnable_tiers_sentence(work, accelerator, Capacity(accelerator, models), hidden)
+    raise PrerequisiteError(
+        f"accel_ds_fix: this DeepSpeed config offloads to NVMe, which cannot run here: {'; '.join(problems)}. "
+        f"{tiers}; `python -m accel_ds_fix plan` shows each with its numbers. Nothing was allocated."
+    )
 
 
 MODES = {"error": ("error", "1", "true", "yes", "on"), "warn": ("warn",), "off": ("off", "0", "false", "no")}
@@ -161,15 +160,14 @@ def check_before_allocating(plan, config, accelerator):
     settings = memory.Settings.from_config(config, accelerator.mixed_precision, accelerator.num_processes, hidden)
     prediction = memory.predict(work, settings, accelerator.device.type, host_baseline=0)
     capacity = Capacity(accelerator, plan.models)
-    problems = capacity.shortfalls(prediction) + _nvme_problems(config, prediction)
+    room, room_warnings = nvme_prerequisites.room_problems(config, prediction.nvme,
+                                                           memory.checkpoint_bytes(work, settings))
+    for warning in room_warnings:
+        notices.say(warning, level=logging.WARNING)
+    problems = capacity.shortfalls(prediction) + room
     if not problems:
         return
-    fitting = _fitting_tiers(work, accelerator, capacity, hidden)
-    tiers = (
-        "Shipped configs that would fit: " + ", ".join(f"{t.name} (configs/{t.yaml_name})" for t in fitting)
-        if fitting
-        else "None of the shipped configs fits either: train fewer parameters (LoRA), or on a larger machine"
-    )
+    tiers = runnable_tiers_sentence(work, accelerator, capacity, hidden)
     message = (
         f"accel_ds_fix: this training will not fit: {'; '.join(problems)}. The DeepSpeed config (ZeRO stage "
         f"{settings.stage}, optimizer offload {settings.offload_optimizer}, parameter offload "

@@ -43,7 +43,11 @@ def prepare(wrapped, instance, args, kwargs):
     old_accelerate.fill_precision(config, getattr(instance, "mixed_precision", None))
     if offload_device not in (None, "none") and force_cpu_optimizer:
         args = old_accelerate.with_cpu_adam(args)
-    if sum(isinstance(obj, torch.nn.Module) for obj in args) < 2:
+    models = [obj for obj in args if isinstance(obj, torch.nn.Module)]
+    if models:  # one model too: without the op DeepSpeed would stop halfway through building the engine
+        optimizer = next((obj for obj in args if isinstance(obj, torch.optim.Optimizer)), None)
+        memory_check.check_prerequisites(models, optimizer, config, instance)
+    if len(models) < 2:
         return wrapped(*args, **kwargs)
 
     plan = MergePlan(args)

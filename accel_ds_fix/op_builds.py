@@ -5,12 +5,14 @@ import logging
 import os
 import time
 
-from . import notices, ops
+from . import libaio, notices, ops
 
 
 def announce_first_build(wrapped, instance, args, kwargs):
     """OpBuilder.jit_load: compiles the op unless torch's extension cache already holds it."""
     name = getattr(instance, "name", None)
+    if name == "async_io":
+        libaio.activate()  # before DeepSpeed's compatibility check, the compile and the load
     announce = (bool(name) and os.environ.get("LOCAL_RANK", "0") == "0" and not ops.building_ahead()
                 and not ops.is_built(name))
     if announce:

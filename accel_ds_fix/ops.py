@@ -4,6 +4,8 @@ building them ahead of time (`python -m accel_ds_fix build-ops`), so no first ru
 import os
 import time
 
+from . import libaio
+
 # The ops the shipped tiers load, as DeepSpeed's accelerators name their builders: cpu_adam for optimizer offload,
 # async_io (with pin_memory) for the NVMe tier, and the shared-memory collectives DeepSpeed loads at every start
 # on the CPU backend. An op this accelerator does not have, or cannot build here, is skipped with the reason.
@@ -46,6 +48,7 @@ def build(builder_names=TIER_BUILDERS, report=print):
     global _building_ahead
     from deepspeed.accelerator import get_accelerator
 
+    libaio.activate()  # a libaio unpacked without root (get-libaio), for the async_io op
     ok, _building_ahead = True, True
     try:
         for class_name in builder_names:
@@ -66,7 +69,7 @@ def _build_one(accelerator, class_name, report):
         return True
     builder = builder_class()
     if not builder.is_compatible(verbose=False):
-        why = "libaio is missing (apt install libaio-dev): the zero3-nvme tier cannot run here" \
+        why = f"libaio is missing: the zero3-nvme tier cannot run here ({libaio.INSTALL_HINT})" \
             if name == "async_io" else "DeepSpeed says it is not compatible with this machine"
         report(f"{name}: cannot be built here: {why}")
         return True

@@ -9,8 +9,8 @@ import os
 import re
 import struct
 
-from . import memory
-from .tiers import TIERS
+from . import memory, nvme_prerequisites, nvme_speed
+from .tiers import DEFAULT_NVME_PATH, TIERS
 
 GIB = memory.GIB
 # Kept free of the training: the CUDA context and the display on the card, the system and desktop in RAM
@@ -112,25 +112,51 @@ def _detected_host():
     return _meminfo("MemTotal")
 
 
-def plan(work, machine, mixed_precision="fp16", world_size=1):
-    """One row per tier, fastest first, and the name of the first that fits (or None)."""
+def _can_run_here(config, work, settings, prediction):
+    """(reasons it cannot run on this machine, notes): NVMe prerequisites and disk room; none for other tiers."""
+    cannot = nvme_prerequisites.problems(config)
+    errors, notes = nvme_prerequisites.room_problems(config, prediction.nvme, memory.checkpoint_bytes(work, settings))
+    return cannot + errors, notes
+
+
+def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_NVME_PATH):
+    """One row per tier, fastest first, and the name of the first that fits and can run here (or None)."""
     rows = []
     for tier in TIERS:
-        settings = memory.Settings.from_config(tier.deepspeed_config(), mixed_precision, world_size)
+        config = tier.deepspeed_config(nvme_path)
+        settings = memory.Settings.from_config(config, mixed_precision, world_size)
         p = memory.predict(work, settings, "cuda")
         fits_gpu = bool(machine.gpu_usable) and p.gpu_reserved <= machine.gpu_usable
         fits_host = bool(machine.host_usable) and p.host <= machine.host_usable
+        cannot, notes = _can_run_here(config, work, settings, p)
         rows.append({
             "tier": tier.name,
             "title": tier.title,
             "gpu_reserved_gib": round(p.gpu_reserved / GIB, 2),
             "host_gib": round(p.host / GIB, 2),
             "nvme_gib": round(p.nvme / GIB, 2),
+            "checkpoint_gib": round(memory.checkpoint_bytes(work, settings) / GIB, 2),
             "fits_gpu": fits_gpu,
             "fits_host": fits_host,
             "fits": fits_gpu and fits_host,
+            "can_run_here": not cannot,
+            "cannot_run_here": "; ".join(cannot) or None,
+            "notes": notes,
             "caveat": tier.caveat,
             "parts": [{"what": w, "where": where, "gib": round(b / GIB, 3)} for w, where, b in p.parts],
         })
-    recommended = next((r["tier"] for r in rows if r["fits"]), None)
+    recommended = next((r["tier"] for r in rows if r["fits"] and r["can_run_here"]), None)
     return rows, recommended
+
+
+def nvme_step_times(work, speed, compute_seconds, steps=None, accumulations=(1, 2, 4)):
+    """The NVMe tier's predicted time per optimizer step with gradient accumulation 1, 2, 4 on a measured disk."""
+    rows = []
+    for k in accumulations:
+        t = nvme_speed.predict(work.trainable, speed, k, compute_seconds)
+        rows.append({"gradient_accumulation": k, "seconds_per_step": round(t.seconds, 1),
+                     "disk_seconds": round(t.disk_seconds, 1), "compute_seconds": round(t.compute_seconds, 1),
+                     "hours": round(steps * t.seconds / 3600, 1) if steps else None,
+                     "disk_written_gb": round(steps * t.bytes_written / 1e9) if steps else None,
+                     "written_per_step_gb": round(t.bytes_written / 1e9, 1)})
+    return rows

@@ -1,6 +1,7 @@
 """`python -m accel_ds_fix`: is the fix active where a training script would run, and does this machine have
 what it needs (tested versions, DeepSpeed's CPU Adam op, CUDA devices, CPU threads)."""
 
+import contextlib
 import glob
 import os
 import site
@@ -69,6 +70,22 @@ def _cpu_adam_line():
             f"(or build it now: python -m accel_ds_fix build-ops)")
 
 
+def _tier_lines():
+    """Whether each shipped tier has what it needs on this machine (memory aside: `plan` judges that)."""
+    from . import nvme_prerequisites, tiers
+
+    out = []
+    for tier in tiers.TIERS:
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout as it is imported
+                problems = nvme_prerequisites.problems(tier.deepspeed_config())
+        except Exception as exc:  # the report goes on whatever breaks
+            problems = [f"could not check ({exc!r})"]
+        verdict = f"cannot run here: {'; '.join(problems)}" if problems else "can run here (memory: see `plan`)"
+        out.append(f"{tier.name:<14} {verdict}")
+    return out
+
+
 def lines():
     out = [f"accel_ds_fix {__version__} ({os.path.dirname(os.path.abspath(__file__))})", "", "versions:"]
     for package, (low, high) in versions.SUPPORTED.items():
@@ -85,7 +102,9 @@ def lines():
         f"fix active:        {_fresh_process_active()}",
         f"DeepSpeed cpu_adam op: {_cpu_adam_line()}",
         "CUDA devices:      " + "; ".join(_cuda_lines()),
+        "shipped tiers:",
     ]
+    out += [f"  {line}" for line in _tier_lines()]
     import torch
 
     cores = threads.cores_per_process()

@@ -12,6 +12,9 @@ SUPPORTED = {
     "deepspeed": ("0.14.4", "0.19.8"),
 }
 
+# DeepSpeed releases whose ZeRO-3 NVMe gradient swap nvme_gradients.py was written against and tested with.
+NVME_GRADIENTS_IN_RAM = ("0.19.8", "0.19.8")
+
 # accelerate before this release puts DeepSpeed on CUDA (or XPU) only: AcceleratorState calls
 # torch.cuda.set_device, which fails on a CPU-only machine before prepare() is ever reached.
 ACCELERATE_DEEPSPEED_ON_CPU = "0.29.0"
@@ -40,6 +43,12 @@ def older_than(package, release):
     """Whether the installed ``package`` is a release before ``release`` (False when it is not installed)."""
     version = installed_version(package)
     return version is not None and _release(version) < _release(release)
+
+
+def in_range(package, bounds):
+    """Whether the installed ``package`` is within ``bounds`` (lowest, highest), both inclusive."""
+    version = installed_version(package)
+    return version is not None and _release(bounds[0]) <= _release(version) <= _release(bounds[1])
 
 
 def untested(package, version):

@@ -1,6 +1,7 @@
 """Helpers shared by the tests: every training runs in a fresh process on the real accelerate + DeepSpeed stack
 (one process group and one AcceleratorState per process, as in real use)."""
 
+import functools
 import json
 import os
 import subprocess
@@ -15,7 +16,9 @@ SCENARIOS = Path(__file__).resolve().parent / "scenarios.py"
 
 
 def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "ACCEL_DS_FIX"))}
+    # ACCEL_DS_FIX_LIBAIO stays: it is where the set-up put libaio, not a setting a test chooses.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ACCELERATE_", "ACCEL_DS_FIX")) or k == "ACCEL_DS_FIX_LIBAIO"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     env.update(extra)
@@ -66,3 +69,21 @@ def scenario():
         return proc
 
     return _scenario
+
+
+@functools.lru_cache(maxsize=None)
+def nvme_unavailable():
+    """Why the NVMe tier cannot run on this machine (libaio, a direct-I/O folder), or None when it can. Asked in a
+    child: the check puts a set-up's libaio on this process's build paths, which the tests' children would inherit."""
+    code = ("import json; from accel_ds_fix import nvme_prerequisites, tiers; "
+            "print(json.dumps(nvme_prerequisites.problems(tiers.BY_NAME['zero3-nvme'].deepspeed_config())))")
+    problems = json.loads(run([sys.executable, "-c", code]).stdout.strip().splitlines()[-1])
+    return "; ".join(problems) or None
+
+
+def skip_without_nvme():
+    """Skip, saying why and what to install, where the NVMe tier cannot run (scripts/setup-venv.sh provides libaio
+    where it can: the skip is for machines where it could not)."""
+    reason = nvme_unavailable()
+    if reason:
+        pytest.skip(f"the NVMe tier cannot run on this machine: {reason}")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from accel_ds_fix import tiers
-from conftest import EXAMPLE, ROOT, clean_env, run
+from conftest import EXAMPLE, ROOT, clean_env, run, skip_without_nvme
 
 YAMLS = sorted((ROOT / "configs").glob("*.yaml"))
 ACCELERATE = [Path(sys.executable).parent / "accelerate", "launch"]  # the console script users run
@@ -45,6 +45,8 @@ def nvme_folder():
 
 @pytest.mark.parametrize("config", YAMLS, ids=[p.stem for p in YAMLS])
 def test_shipped_yaml_trains_saves_and_resumes_from_another_folder(tmp_path, config, nvme_folder):
+    if "nvme" in config.name:
+        skip_without_nvme()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     first = launch(config, elsewhere, "--steps", "6", "--save-state", "ckpt", "--save-state-at", "3", "--out", "a.json")

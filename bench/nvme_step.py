@@ -1,0 +1,177 @@
+"""The NVMe tier's step with the fix's gradients in host memory against DeepSpeed's own gradient swap, SD1.5
+(UNet + CLIP-L text encoder, random weights, 512 px, batch 1, fp16, gradient checkpointing, AdamW lr 1e-6, the
+card capped at 6 GiB), each run in its own process, the two interleaved: host, disk, host, disk, ...
+
+    python bench/nvme_step.py --nvme-path /var/tmp/nvme --rounds 2 --steps 4 --out nvme.json
+    python bench/nvme_step.py --tiny --nvme-path /var/tmp/nvme --rounds 1 --steps 2 --out nvme.json  # CPU smoke test
+
+Per run: losses, seconds per step, bytes read and written per step (/proc/self/io, which counts DeepSpeed's
+direct I/O), peaks, and ZeRO-3's swap and step timers (those wall_clock_breakdown prints). Prints the medians side by side and their
+ratios.
+"""
+
+import argparse
+import json
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+GIB = 1024**3
+TIMER = re.compile(r"(optimizer_[a-z_]+): ([0-9.]+)")
+
+
+def io_bytes():
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def worker(args):
+    import torch
+
+    import accel_ds_fix  # noqa: F401
+    from accel_ds_fix import tiers
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+    from sd15_6gb import build_models
+    from train_two_models import single_process_env
+
+    cuda = torch.cuda.is_available() and not args.tiny
+    if args.deterministic:  # cuDNN's and cuBLAS's fastest kernels may sum in another order from run to run
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    if cuda:
+        torch.cuda.set_per_process_memory_fraction(6 * GIB / torch.cuda.get_device_properties(0).total_memory)
+    single_process_env()
+    config = tiers.BY_NAME["zero3-nvme"].deepspeed_config(args.nvme_path)
+    config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
+    if args.tiny:  # sub groups above aio's 1 MiB block, so that they are swapped
+        config["zero_optimization"]["sub_group_size"] = 300000
+    if args.mode == "ram":  # the reference: the same ZeRO-3 layout with the optimizer in host memory, no disk
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    precision = "fp16" if cuda else "bf16"
+    accelerator = Accelerator(mixed_precision=precision, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    unet, text_encoder = build_models(args.tiny)
+    params = list(unet.parameters()) + list(text_encoder.parameters())
+    trained = sum(p.numel() for p in params)
+    optimizer = torch.optim.AdamW(params, lr=1e-6)
+    unet, text_encoder, optimizer = accelerator.prepare(unet, text_encoder, optimizer)
+    # ZeRO-3's own step timers (swap in, step, swap out per sub group), logged each step. The engine's
+    # wall_clock_breakdown would time forward and backward too, but trips over gradient checkpointing's
+    # re-entrant backward ("bwd_microstep timer has already been started").
+    from deepspeed.utils.timer import SynchronizedWallClockTimer
+
+    accelerator.deepspeed_engine_wrapped.engine.optimizer.timers = SynchronizedWallClockTimer()
+    g = torch.Generator().manual_seed(1)
+    size, vocab = (8, 1000) if args.tiny else (64, 49408)
+    device = accelerator.device
+    steps = []
+    for step in range(args.steps + 2):  # 2 warm-up steps
+        ids = torch.randint(0, vocab, (1, 77), generator=g).to(device)
+        latents, noise = (torch.randn(1, 4, size, size, generator=g).to(device) for _ in range(2))
+        t = torch.randint(0, 1000, (1,), generator=g).to(device)
+        read0, write0 = io_bytes()
+        started = time.perf_counter()
+        with accelerator.autocast():
+            hidden = text_encoder(ids)[0]
+            pred = unet(latents + noise, t, hidden).sample
+        loss = torch.nn.functional.mse_loss(pred.float(), noise)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if cuda:
+            torch.cuda.synchronize()
+        read1, write1 = io_bytes()
+        steps.append({"loss": loss.item(), "seconds": time.perf_counter() - started,
+                      "read_bytes": read1 - read0, "written_bytes": write1 - write0})
+    result = {"mode": args.mode, "trained": trained, "steps": steps,
+              "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB}
+    if cuda:
+        result.update(gpu_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
+                      gpu_reserved_gib=torch.cuda.max_memory_reserved() / GIB)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def timers(log):
+    """DeepSpeed's wall_clock_breakdown lines: per timer, the milliseconds of each logged step."""
+    found = {}
+    for name, ms in TIMER.findall(log):
+        found.setdefault(name, []).append(float(ms))
+    return found
+
+
+def summary(run):
+    timed = run["steps"][2:]
+    trained = run["trained"]
+    return {
+        "s_per_step": statistics.median(s["seconds"] for s in timed),
+        "read_bytes_per_param": statistics.median(s["read_bytes"] for s in timed) / trained,
+        "written_bytes_per_param": statistics.median(s["written_bytes"] for s in timed) / trained,
+        "host_peak_gib": run["host_peak_gib"],
+        "gpu_reserved_gib": run.get("gpu_reserved_gib"),
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--nvme-path", required=True)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4, help="timed steps per run, after 2 warm-up steps")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic GPU kernels, so that runs can be compared bit for bit")
+    p.add_argument("--out", default="nvme_step.json")
+    p.add_argument("--modes", default="host,disk",
+                   help="host: the fix's gradients in RAM; disk: DeepSpeed's own gradient swap "
+                        "(ACCEL_DS_FIX_NVME_GRADIENTS=disk); ram: the optimizer in RAM instead of NVMe (reference)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="host", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    runs = []
+    for round_ in range(args.rounds):
+        for mode in args.modes.split(","):
+            cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--nvme-path", args.nvme_path,
+                   "--steps", str(args.steps)]
+            cmd += (["--tiny"] if args.tiny else []) + (["--deterministic"] if args.deterministic else [])
+            proc = subprocess.run(cmd, capture_output=True, text=True,
+                                  env={**os.environ, "ACCEL_DS_FIX_NVME_GRADIENTS": "disk" if mode == "disk" else "host"})
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                sys.exit(f"{mode} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            run = json.loads(line[len("RESULT "):])
+            run.update(round=round_, timers=timers(proc.stdout + proc.stderr), summary=None)
+            run["summary"] = summary(run)
+            runs.append(run)
+            s = run["summary"]
+            print(f"round {round_} {mode:<5} {s['s_per_step']:6.2f} s/step, read {s['read_bytes_per_param']:5.1f} "
+                  f"B/param, written {s['written_bytes_per_param']:5.1f} B/param, host {s['host_peak_gib']:.2f} GiB"
+                  + (f", GPU reserved {s['gpu_reserved_gib']:.2f} GiB" if s["gpu_reserved_gib"] else ""), flush=True)
+    modes = args.modes.split(",")
+    by_mode = {m: [r for r in runs if r["mode"] == m] for m in modes}
+    losses = {m: [[s["loss"] for s in r["steps"]] for r in rs] for m, rs in by_mode.items()}
+    medians = {m: {k: statistics.median(r["summary"][k] for r in rs) for k in ("s_per_step", "read_bytes_per_param",
+                                                                             "written_bytes_per_param", "host_peak_gib")}
+               for m, rs in by_mode.items()}
+    for m in modes:
+        print(f"{m:<5} losses of the first run: {', '.join(f'{x:.7f}' for x in losses[m][0])}")
+    equal = all(run == losses[modes[0]][0] for ls in losses.values() for run in ls)
+    print(f"losses equal in every run: {equal}")
+    if "host" in medians and "disk" in medians:
+        moved = {m: medians[m]["read_bytes_per_param"] + medians[m]["written_bytes_per_param"] for m in ("host", "disk")}
+        print(f"step time host/disk: {medians['host']['s_per_step'] / medians['disk']['s_per_step']:.2f}x; bytes a "
+              f"parameter moved through the disk per step: host {moved['host']:.1f}, disk {moved['disk']:.1f}")
+    Path(args.out).write_text(json.dumps({"runs": runs, "medians": medians, "losses_equal": equal}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The NVMe tier on a machine as a user has it: refused before anything is allocated where libaio is missing (the
+system's own libaio hidden in a private mount namespace where the machine has one), with the tiers that do run;
+`plan` and the report saying "cannot run here"; libaio fetched without root; the step's gradients kept in host
+memory (8 bytes a parameter less through the disk, the same losses); the disk measured and the run's time
+predicted."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from accel_ds_fix import libaio, nvme_prerequisites, tiers
+from conftest import EXAMPLE, ROOT, clean_env, run, skip_without_nvme
+
+PROBE = ROOT / "tests" / "nvme_probe.py"
+ACCELERATE = Path(sys.executable).parent / "accelerate"
+LAPTOP = ["--params", "983M", "--gpu-memory", "6GiB", "--host-memory", "15GiB"]
+GIB = 1024**3
+
+
+@pytest.fixture
+def disk_folder(request):
+    """A fresh folder on a disk (where the shipped tier swaps, not a tmpfs /tmp)."""
+    parent = Path(tiers.DEFAULT_NVME_PATH).parent
+    folder = Path(tempfile.mkdtemp(dir=parent))
+    request.addfinalizer(lambda: shutil.rmtree(folder, ignore_errors=True))
+    return folder
+
+
+def probe(swap, mode, *args):
+    proc = run([sys.executable, PROBE, swap, *args], env=clean_env(ACCEL_DS_FIX_NVME_GRADIENTS=mode))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_step_takes_its_gradients_from_host_memory_with_the_same_losses(disk_folder):
+    skip_without_nvme()
+    host = probe(disk_folder / "host", "host", "--gas", "2", "--steps", "6")
+    disk = probe(disk_folder / "disk", "disk", "--gas", "2", "--steps", "6")
+    assert host["losses"] == disk["losses"] and host["losses"][-1] != host["losses"][0]
+    assert host["optimizer_steps"] == disk["optimizer_steps"] == 3
+    # DeepSpeed alone writes each gradient partition to the swap folder and reads it back in the step.
+    assert [f for f in disk["swap_files"] if "_gradient_" in f]
+    assert not [f for f in host["swap_files"] if "_gradient_" in f]
+    per_step = {name: {key: run_[key] / run_["trained"] / run_["optimizer_steps"] for key in ("read_bytes", "write_bytes")}
+                for name, run_ in (("host", host), ("disk", disk))}
+    # fp32 weights and Adam's two states out every step: 12 bytes; DeepSpeed's gradient round trip adds 4 each way
+    # (its reads of the just-written gradient files are partly served from the page cache, so fewer are counted).
+    assert per_step["host"]["write_bytes"] == pytest.approx(12, abs=0.5)
+    assert per_step["disk"]["write_bytes"] == pytest.approx(16, abs=0.5)
+    assert per_step["disk"]["read_bytes"] > per_step["host"]["read_bytes"] + 1
+
+
+def _hide_system_libaio():
+    """A command prefix that runs its command with the system's libaio out of sight (a private mount namespace,
+    /dev/null bound over libaio.h and the library), or None where that cannot be done here."""
+    if not libaio.on_system():
+        return []  # nothing to hide: this machine lacks libaio already
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return None
+    library = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    paths = [line.split("=>")[-1].strip() for line in library.splitlines() if "libaio.so" in line]
+    hidden = {os.path.realpath(p) for p in paths} | {h for h in ("/usr/include/libaio.h", "/usr/local/include/libaio.h")
+                                                     if os.path.exists(h)}
+    mounts = " && ".join(f"mount --bind /dev/null {p}" for p in sorted(hidden))
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", f'{mounts} && exec "$@"', "sh"]
+
+
+def test_without_libaio_the_nvme_tier_stops_before_allocating_and_plan_says_why(tmp_path):
+    prefix = _hide_system_libaio()
+    if prefix is None:
+        pytest.skip("the system has libaio, and hiding it needs root and unshare: the refusal runs where either holds")
+    # DeepSpeed's other ops as built, but no async_io built against the libaio of this machine or of the set-up.
+    extensions = tmp_path / "extensions"
+    extensions.mkdir()
+    built = Path(os.environ.get("TORCH_EXTENSIONS_DIR", ROOT / ".cache" / "torch_extensions"))
+    for op in ("cpu_adam", "deepspeed_shm_comm"):
+        if (built / op).exists():
+            (extensions / op).symlink_to(built / op)
+    env = clean_env(ACCEL_DS_FIX="1", TORCH_EXTENSIONS_DIR=str(extensions), XDG_CACHE_HOME=str(tmp_path / "cache"),
+                    ACCEL_DS_FIX_LIBAIO=str(tmp_path / "no-libaio"))
+    launch = run([*prefix, ACCELERATE, "launch", "--config_file", ROOT / "configs" / "accelerate_zero3_nvme.yaml", EXAMPLE,
+                  "--mixed-precision", "bf16", "--steps", "2"], env=env, check=False, cwd=tmp_path)
+    assert launch.returncode != 0
+    assert ("PrerequisiteError: accel_ds_fix: this DeepSpeed config offloads to NVMe, which cannot run here: libaio "
+            "is missing, and DeepSpeed's async_io op cannot be built without it") in launch.stderr
+    for words in ("sudo apt install libaio-dev", "sudo dnf install libaio-devel", "conda install -c conda-forge libaio",
+                  "python -m accel_ds_fix get-libaio", "Shipped configs that run here: zero2-offload", "Nothing was allocated"):
+        assert words in launch.stderr, words
+    assert "Unable to JIT load" not in launch.stderr  # DeepSpeed's own words never came: it was stopped first
+    assert "merged 2 models" not in launch.stderr
+
+    plan = run([*prefix, sys.executable, "-m", "accel_ds_fix", "plan", *LAPTOP, "--json"], env=env)
+    out = json.loads(plan.stdout)
+    rows = {r["tier"]: r for r in out["tiers"]}
+    assert rows["zero3-nvme"]["fits"] and not rows["zero3-nvme"]["can_run_here"]
+    assert rows["zero3-nvme"]["cannot_run_here"].startswith("libaio is missing")
+    assert rows["zero2-offload"]["can_run_here"] and out["recommended"] is None
+    text = run([*prefix, sys.executable, "-m", "accel_ds_fix", "plan", *LAPTOP], env=env).stdout
+    assert "zero3-nvme: cannot run here: libaio is missing" in text and "recommended:" not in text
+    report = run([*prefix, sys.executable, "-m", "accel_ds_fix"], env=env).stdout
+    assert "zero3-nvme     cannot run here: libaio is missing" in report
+    assert "zero2-offload  can run here" in report
+
+
+def test_an_nvme_folder_in_ram_or_without_room_is_named(disk_folder):
+    if (nvme_prerequisites.filesystem_of("/dev/shm") or (None, None))[1] != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm here")
+    out = json.loads(run([sys.executable, "-m", "accel_ds_fix", "plan", *LAPTOP, "--nvme-path", "/dev/shm/nvme",
+                          "--json"]).stdout)
+    row = next(r for r in out["tiers"] if r["tier"] == "zero3-nvme")
+    assert not row["can_run_here"] and "is on tmpfs (/dev/shm), which is host memory" in row["cannot_run_here"]
+    assert not os.path.exists("/dev/shm/nvme")  # checked where it would be made, nothing made
+    assert nvme_prerequisites.direct_io_problem(str(disk_folder / "swap")) is None
+    config = tiers.BY_NAME["zero3-nvme"].deepspeed_config(str(disk_folder))
+    free = nvme_prerequisites.free_bytes(disk_folder)
+    errors, warnings = nvme_prerequisites.room_problems(config, free + GIB, GIB)
+    assert errors and errors[0].startswith(f"disk: the NVMe offload folder {disk_folder} needs ") and not warnings
+    errors, warnings = nvme_prerequisites.room_problems(config, GIB, free)
+    assert not errors and "each save_state writes about" in warnings[0]
+
+
+def test_plan_measures_the_nvme_folder_and_predicts_the_run(disk_folder):
+    skip_without_nvme()
+    out = json.loads(run([sys.executable, "-m", "accel_ds_fix", "plan", *LAPTOP, "--nvme-path", disk_folder,
+                          "--steps", "1600", "--json"]).stdout)
+    timing = out["nvme_timing"]
+    assert timing["measured"] and timing["read_gb_per_s"] > 0 and timing["write_gb_per_s"] > 0
+    assert list(disk_folder.iterdir()) == []  # the measuring files are gone
+    rows = {r["gradient_accumulation"]: r for r in timing["per_accumulation"]}
+    assert sorted(rows) == [1, 2, 4]
+    # 12 bytes a trained parameter each way, once per optimizer step, whatever the accumulation.
+    disk = 12 * 983e6 / 1e9 / timing["read_gb_per_s"] + 12 * 983e6 / 1e9 / timing["write_gb_per_s"]
+    for k, r in rows.items():
+        assert r["disk_seconds"] == pytest.approx(disk, abs=0.1)
+        assert r["seconds_per_step"] == pytest.approx(disk + k * timing["compute_seconds"], abs=0.2)
+        assert r["hours"] == pytest.approx(1600 * r["seconds_per_step"] / 3600, abs=0.1)
+        assert r["disk_written_gb"] == pytest.approx(1600 * 12 * 983e6 / 1e9, rel=0.01)
+    text = run([sys.executable, "-m", "accel_ds_fix", "plan", *LAPTOP, "--nvme-path", disk_folder, "--steps", "1600"]).stdout
+    assert f"NVMe folder {disk_folder}: its disk reads " in text and "hours for 1600 steps" in text
+
+
+def test_get_libaio_unpacks_debians_packages_without_root_or_says_the_system_has_it(tmp_path):
+    target = tmp_path / "libaio"
+    proc = run([sys.executable, "-m", "accel_ds_fix", "get-libaio", target], check=False)
+    if libaio.on_system():
+        assert proc.returncode == 0 and "the system has it" in proc.stdout and not target.exists()
+        return
+    if shutil.which("apt-get") is None:
+        assert proc.returncode == 1 and "apt-get" in proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr
+    assert (target / "usr" / "include" / "libaio.h").exists()
+    assert list(target.glob("usr/lib/**/libaio.so.1*"))
