@@ -39,7 +39,8 @@ def _plan_parser(sub):
                                              "bytes written to the SSD for the NVMe tier")
     p.add_argument("--compute-seconds", type=float, default=nvme_speed.DEFAULT_COMPUTE_SECONDS,
                    help="seconds of a training step outside the disk (forward, backward, CPU Adam; default "
-                        f"{nvme_speed.DEFAULT_COMPUTE_SECONDS}: SD1.5 measured on an H200 host, a laptop GPU is slower)")
+                        f"{nvme_speed.DEFAULT_COMPUTE_SECONDS}: SD1.5 at 512 px on a datacenter GPU with a 16-core host; a "
+                        "laptop GPU is slower)")
 
 
 def _plan(args):

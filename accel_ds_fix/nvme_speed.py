@@ -18,7 +18,7 @@ GB = 1e9
 STATE_BYTES = 12  # fp32 master weight + exp_avg + exp_avg_sq, per trained parameter, read and written each step
 GRADIENT_BYTES = 4  # fp32 gradient, written and read back when DeepSpeed swaps it
 # The time of one optimizer step outside the disk, weights on the GPU: forward and backward of the batch and
-# DeepSpeedCPUAdam over the parameters. SD1.5 at 512 px, batch 1, on the lent H200 host (16 cores): the NVMe
+# DeepSpeedCPUAdam over the parameters. SD1.5 at 512 px, batch 1, on an H200 with a 16-core host: the NVMe
 # tier's step less its swap timers, 3.6 - 4.7 s (docs/gpu.md, run 8). A laptop GPU needs longer for forward and
 # backward: --compute-seconds gives the machine's own figure (a step of any tier without the disk shows it).
 DEFAULT_COMPUTE_SECONDS = 4.0

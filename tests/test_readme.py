@@ -2,12 +2,14 @@
 the shipped configs by test_user_path.py, the install lines by test_packaging.py)."""
 
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import accel_ds_fix
+from accel_ds_fix import libaio
 from conftest import ROOT, clean_env, nvme_unavailable, run
 
 README = (ROOT / "README.md").read_text()
@@ -71,3 +73,31 @@ def test_startup_bench_runs():
 def test_files_and_links_the_readme_names_exist():
     for path in set(re.findall(r"\b((?:configs|docs|bench|scripts|examples|accel_ds_fix)/[\w./-]+\.(?:yaml|json|md|py|sh))", README)):
         assert (ROOT / path).exists(), path
+
+
+def test_nvme_commands_run_as_written(tmp_path):
+    # The plan that measures the NVMe folder (made if missing, removed again here) and predicts 1600 steps.
+    plan = next(c for c in commands() if c.startswith("python -m accel_ds_fix plan") and "--nvme-path" in c)
+    folder = Path(plan.split("--nvme-path")[1].split()[0])
+    existed = folder.exists()
+    try:
+        out = run([BIN / "python", *plan.split()[1:]], env=clean_env()).stdout
+    finally:
+        if not existed:
+            shutil.rmtree(folder, ignore_errors=True)
+    if nvme_unavailable():
+        assert "NVMe folder not measured: zero3-nvme cannot run here" in out
+    else:
+        assert f"NVMe folder {folder}: its disk reads " in out and "hours for 1600 steps" in out
+    # get-libaio, into a cache folder of this test's own (it writes to the user's cache as written).
+    fetch = next(c for c in commands() if c.startswith("python -m accel_ds_fix get-libaio"))
+    env = clean_env(XDG_CACHE_HOME=str(tmp_path))
+    env.pop("ACCEL_DS_FIX_LIBAIO", None)  # the set-up's own folder: the command as a user runs it uses the cache
+    proc = run([BIN / "python", *fetch.split()[1:]], env=env, check=False)
+    if libaio.on_system():
+        assert proc.returncode == 0 and "the system has it" in proc.stdout
+    elif shutil.which("apt-get"):
+        assert proc.returncode == 0, proc.stderr
+        assert (tmp_path / "accel_ds_fix" / "libaio" / "usr" / "include" / "libaio.h").exists()
+    else:
+        assert proc.returncode == 1 and "cannot fetch libaio here" in proc.stderr
