@@ -78,11 +78,14 @@ def activate():
     include, libdir = os.path.join(folder, "usr", "include"), _library_dir(folder)
     if libdir is None:
         return None
+    try:
+        ctypes.CDLL(_runtime_library(folder), mode=ctypes.RTLD_GLOBAL)
+    except OSError:  # a damaged folder: as if there were none (the NVMe check then says libaio is missing)
+        return None
     _prepend("CPATH", include)
     _prepend("LIBRARY_PATH", libdir)
     _prepend("CFLAGS", f"-I{include}", " ")
     _prepend("LDFLAGS", f"-L{libdir}", " ")
-    ctypes.CDLL(_runtime_library(folder), mode=ctypes.RTLD_GLOBAL)
     _activated = folder
     return folder
 
@@ -126,11 +129,19 @@ def fetch(folder=None, report=print):
                                   f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}. Or {INSTALL_HINT}")
             if step == ("update",):
                 steps.append(("download", _runtime_package(state)))
-        os.makedirs(folder, exist_ok=True)
+        # Unpacked beside the folder and moved into place whole: a fetch killed halfway leaves no folder that
+        # looks complete (a header beside a truncated library would break every later run's load).
+        for leftover in glob.glob(f"{folder}.partial-*"):  # of fetches killed before
+            shutil.rmtree(leftover, ignore_errors=True)
+        partial = f"{folder}.partial-{os.getpid()}"
         for deb in sorted(glob.glob(os.path.join(state, "*.deb"))):
-            subprocess.run(["dpkg-deb", "-x", deb, folder], check=True, timeout=120)
-    if not local_folder_at(folder) or _runtime_library(folder) is None:
-        raise LibaioError(f"unpacked Debian's libaio into {folder}, but libaio.h or libaio.so.1 is not there")
+            subprocess.run(["dpkg-deb", "-x", deb, partial], check=True, timeout=120)
+        if not local_folder_at(partial) or _runtime_library(partial) is None:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise LibaioError("unpacked Debian's libaio, but libaio.h or libaio.so.1 is not in it")
+        shutil.rmtree(folder, ignore_errors=True)  # incomplete (local_folder_at said so), e.g. made by hand
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        os.rename(partial, folder)
     report(f"libaio: unpacked into {folder}")
     return folder
 

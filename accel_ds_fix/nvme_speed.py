@@ -42,6 +42,18 @@ def _handle(aio):
                          aio.get("overlap_events", True), aio.get("intra_op_parallelism", 1))
 
 
+_PREFIX = ".accel_ds_fix_speed_"
+
+
+def _remove_leftovers(folder):
+    """Files of a measurement whose process is gone (killed halfway): hundreds of MB each, never read again."""
+    for name in os.listdir(folder):
+        if name.startswith(_PREFIX):
+            pid = int(name[len(_PREFIX):].split("_")[0])
+            if not os.path.exists(f"/proc/{pid}"):
+                os.unlink(os.path.join(folder, name))
+
+
 def measure(folder, aio=None, file_bytes=200 * 1024**2, files=3):
     """Write then read ``files`` files of ``file_bytes`` in ``folder`` (a sub group's fp32 weights and two Adam
     states, as the tier swaps them), through DeepSpeed's async I/O with the tier's settings."""
@@ -52,7 +64,8 @@ def measure(folder, aio=None, file_bytes=200 * 1024**2, files=3):
     libaio.activate()
     handle = _handle(aio or {})
     os.makedirs(folder, exist_ok=True)
-    paths = [os.path.join(folder, f".accel_ds_fix_speed_{os.getpid()}_{i}.swp") for i in range(files)]
+    _remove_leftovers(folder)
+    paths = [os.path.join(folder, f"{_PREFIX}{os.getpid()}_{i}.swp") for i in range(files)]
     buffers = [handle.new_cpu_locked_tensor(file_bytes // 4, torch.empty(0, dtype=torch.float32)) for _ in paths]
     try:
         for b in buffers:
