@@ -6,14 +6,19 @@ models at all. Scripts written for the general contract (diffusers: one ``weight
 ``save_pretrained`` into a subfolder; a load hook that pops each model and loads adapter weights into it)
 then fail. With merged models, the hooks get each model and one ``weights`` entry per model; hooks are
 registered untouched, and with nothing merged they run exactly as without this package.
+
+A save of merged models is crash-safe (atomic_save.py): it is written beside the folder and moved into place when
+whole, manifest last; load_state refuses a folder that is not exactly what a save wrote.
 """
 
 import collections.abc
 import contextlib
 import os
+import re
+import shutil
 import sys
 
-from . import manifest, nvme_resume, trainability
+from . import atomic_save, manifest, nvme_resume, trainability
 from .gather import copied_by_hook, shards
 from .lookup import merged_engine
 from .proxy import unwrap
@@ -116,7 +121,8 @@ def _models_built_whole():
 
 
 def save_state(wrapped, instance, args, kwargs):
-    """Accelerator.save_state: DeepSpeed's checkpoint of the merged engine, plus what it holds (manifest)."""
+    """Accelerator.save_state: DeepSpeed's checkpoint of the merged engine, plus what it holds (manifest), written
+    beside the folder and moved into place once whole."""
     engine = merged_engine(instance)
     if engine is None:
         return wrapped(*args, **kwargs)
@@ -132,12 +138,60 @@ def save_state(wrapped, instance, args, kwargs):
 
         return save_hook
 
-    with _hooks_replaced(instance, "_save_model_state_pre_hook", per_model):
-        location = wrapped(*args, **kwargs)
-    directory = location if isinstance(location, str) else (args[0] if args else kwargs.get("output_dir"))
-    if instance.is_main_process:
-        manifest.write(directory, engine.module)
-    return location
+    target = _output_dir(instance, args, kwargs)
+    if target is None:
+        return wrapped(*args, **kwargs)  # accelerate's own error
+    rest = {k: v for k, v in kwargs.items() if k != "output_dir"}
+
+    def save_into(folder):
+        # The save goes to a temporary folder beside the target (atomic_save.py), hooks included.
+        with _hooks_replaced(instance, "_save_model_state_pre_hook", per_model), _automatic_naming_off(instance):
+            return wrapped(folder, *args[1:], **rest)
+
+    def write_manifest(folder, files, kept):
+        manifest.write(folder, engine.module, files, kept)
+
+    location = atomic_save.save(instance, target, save_into, write_manifest)
+    return type(location)(target) if isinstance(location, (str, os.PathLike)) else location
+
+
+def _output_dir(accelerator, args, kwargs):
+    """Where accelerate's save_state would write: the folder given, or with automatic checkpoint naming
+    ``project_dir/checkpoints/checkpoint_<iteration>`` after deleting the oldest beyond ``total_limit``, as
+    accelerate does (the save itself then runs with the naming off, into the temporary folder)."""
+    config = getattr(accelerator, "project_configuration", None)
+    if not getattr(config, "automatic_checkpoint_naming", False):
+        directory = args[0] if args else kwargs.get("output_dir")
+        return os.path.normpath(os.path.expanduser(os.fspath(directory))) if directory is not None else None
+    root = os.path.join(accelerator.project_dir, "checkpoints")
+    os.makedirs(root, exist_ok=True)
+    folders = [os.path.join(root, f) for f in os.listdir(root) if not atomic_save.is_temporary(f)]
+    limit = config.total_limit
+    if limit is not None and len(folders) + 1 > limit and accelerator.is_main_process:
+        folders.sort(key=lambda folder: int(re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", folder)[0]))
+        for folder in folders[: len(folders) + 1 - limit]:
+            shutil.rmtree(folder)
+    target = os.path.join(root, f"checkpoint_{config.iteration}")
+    if os.path.exists(target):
+        raise ValueError(
+            f"Checkpoint directory {target} ({config.iteration}) already exists. Please manually override "
+            "`self.save_iteration` with what iteration to start with."
+        )
+    accelerator.wait_for_everyone()
+    return target
+
+
+@contextlib.contextmanager
+def _automatic_naming_off(accelerator):
+    config = getattr(accelerator, "project_configuration", None)
+    automatic = getattr(config, "automatic_checkpoint_naming", False)
+    if automatic:
+        config.automatic_checkpoint_naming = False
+    try:
+        yield
+    finally:
+        if automatic:
+            config.automatic_checkpoint_naming = True
 
 
 def _input_dir(instance, args, kwargs):
@@ -154,6 +208,8 @@ def load_state(wrapped, instance, args, kwargs):
     engine, which overrides whatever the hooks loaded."""
     engine = merged_engine(instance)
     directory = _input_dir(instance, args, kwargs) if engine is not None else None
+    if directory is not None:
+        atomic_save.check_whole(directory)  # a partial, mixed or altered folder: refused before anything loads
     if directory is None or not os.path.isdir(directory):
         return wrapped(*args, **kwargs)  # accelerate's own handling, and its own error for a missing folder
     saved = manifest.check(directory, engine.module)
@@ -166,7 +222,9 @@ def load_state(wrapped, instance, args, kwargs):
                 hook(models, directory)
     with _hooks_replaced(instance, "_load_model_state_pre_hook", lambda hook: _already_called):
         with trainability.as_saved(engine.module, saved["frozen"]):
-            result = wrapped(*args, **kwargs)
+            # the folder checked, also where accelerate would pick it (automatic naming: the highest number)
+            rest = {k: v for k, v in kwargs.items() if k != "input_dir"}
+            result = wrapped(directory, *args[1:], **rest)
     nvme_resume.restore_unswapped(engine, directory, _checkpoint_tag(instance, engine))
     return result
 

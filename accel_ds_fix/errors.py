@@ -15,3 +15,7 @@ class MemoryPlanError(MemoryError):
 
 class PrerequisiteError(RuntimeError):
     """A DeepSpeed config this machine cannot run (NVMe offload without libaio or a direct-I/O folder)."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is not whole (partial, mixed or altered), or a save_state that could not finish."""

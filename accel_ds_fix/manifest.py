@@ -9,7 +9,7 @@ from .errors import MergeError
 from .trainability import frozen_names
 
 FILENAME = "accel_ds_fix.json"
-FORMAT = 2  # 2 added "frozen": the parameters DeepSpeed stored as frozen
+FORMAT = 3  # 2 added "frozen": the parameters DeepSpeed stored as frozen; 3 "files" (atomic_save.py) and "kept"
 
 
 def _shape(param):
@@ -27,10 +27,24 @@ def describe(merged):
     }
 
 
-def write(directory, merged):
-    content = {"format": FORMAT, "models": describe(merged), "frozen": frozen_names(merged)}
+def write(directory, merged, files, kept=()):
+    """Written last by a save: ``files`` {relative path: {"size", "sha256"}} is every file of the checkpoint;
+    ``kept`` the top-level entries of the script's own that the save found in the folder and left there."""
+    content = {"format": FORMAT, "models": describe(merged), "frozen": frozen_names(merged), "files": files,
+               "kept": list(kept)}
     with open(os.path.join(directory, FILENAME), "w", encoding="utf-8") as f:
         json.dump(content, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read(directory):
+    """The manifest's content, None where there is none; ValueError where it is not whole JSON."""
+    path = os.path.join(directory, FILENAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _summary(models):
@@ -77,6 +91,7 @@ def check(directory, merged):
 def automatic_checkpoint(project_dir):
     """The folder accelerate's load_state(None) picks with automatic checkpoint naming: the highest number."""
     root = os.path.join(project_dir, "checkpoints")
-    folders = [os.path.join(root, f) for f in os.listdir(root)]
+    # a save's temporary folders (atomic_save.py) are no checkpoints
+    folders = [os.path.join(root, f) for f in os.listdir(root) if not f.startswith(".accel_ds_fix-")]
     folders.sort(key=lambda folder: [int(x) for x in re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", folder)][:1])
     return folders[-1] if folders else None

@@ -84,6 +84,7 @@ def parse_args():
     p.add_argument("--save-state", help="accelerator.save_state() here after the last step")
     p.add_argument("--save-state-at", type=int, default=0, help="with --save-state: save after this many steps instead")
     p.add_argument("--resume", help="accelerator.load_state() from here before training")
+    p.add_argument("--losses-before-save", help="write the losses as JSON here before the final save_state")
     p.add_argument("--export", help="save each model here with get_state_dict/save_model/unwrap_model")
     p.add_argument("--out", help="write losses and results as JSON here")
     p.add_argument("--import-fix", action="store_true", help="import accel_ds_fix after accelerate")
@@ -201,6 +202,9 @@ def main():
             accelerator.save_state(args.save_state)
 
     result = {"losses": losses, "fix_active": "accel_ds_fix" in sys.modules}
+    if args.losses_before_save and accelerator.is_main_process:  # for a save that may not finish
+        with open(args.losses_before_save, "w") as f:
+            json.dump({"losses": losses}, f)
     if args.save_state and not args.save_state_at:
         accelerator.save_state(args.save_state)
     if args.export:

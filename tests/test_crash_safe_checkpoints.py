@@ -1,0 +1,168 @@
+"""Checkpoints that survive a crash (issue 19): a save_state killed at any point never costs the previous
+checkpoint, and load_state never takes a half-written one.
+
+A real save is killed (SIGKILL, as kill -9, an OOM kill or a power cut do) in a child process at each file it
+writes and between files (tests/crash_save_child.py holds the trigger), under ZeRO-2 with CPU offload and under
+ZeRO-3. Each run after a kill loads the folder and trains on: its losses must equal, bit for bit, those of
+resuming the first checkpoint, or the load must be refused with the package's error. Runs are chained: the
+run that checks the previous kill is the one whose own save is killed next.
+"""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from conftest import EXAMPLE, clean_env, run
+
+CHILD = Path(__file__).resolve().parent / "crash_save_child.py"
+PATTERNS = Path(__file__).resolve().parent / "hook_patterns.py"
+STAGES = {"zero2-offload": ["--zero-stage", "2", "--offload", "cpu"], "zero3": ["--zero-stage", "3"]}
+SAVED = ["pytorch_model/mp_rank_00_model_states.pt", "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+         "zero_to_fp32.py", "zero_to_torch.py", "latest", "scheduler.bin", "random_states_0.pkl", "accel_ds_fix.json"]
+REFUSED = "CheckpointError: accel_ds_fix: refusing to load "
+
+
+def child(fault, folder, script, *args, check=False):
+    env = clean_env(ACCEL_DS_FIX_TEST_FAULT=fault, ACCEL_DS_FIX_TEST_FAULT_DIR=str(folder))
+    return run([sys.executable, CHILD, script, *args], env=env, check=check)
+
+
+def resume_and_save(stage, folder, losses_file):
+    """Resume ``folder``, train 2 steps, write the losses, then save_state into ``folder`` again (kohya's
+    in-place ``last-state``)."""
+    return [*stage, "--import-fix", "--resume", folder, "--first-step", "3", "--steps", "2",
+            "--losses-before-save", losses_file, "--save-state", folder]
+
+
+def first_checkpoint(train, tmp_path, stage):
+    """The previous checkpoint (3 steps), and what resuming it gives: its losses and the files a save writes
+    (counted in a copy that is saved again in place)."""
+    ckpt, copy = tmp_path / "ckpt", tmp_path / "copy"
+    train(*stage, "--import-fix", "--steps", "3", "--save-state", ckpt)
+    shutil.copytree(ckpt, copy)
+    child(f"count:{tmp_path / 'files.txt'}", copy, EXAMPLE, *resume_and_save(stage, copy, tmp_path / "ref.json"),
+          check=True)
+    expected = json.loads((tmp_path / "ref.json").read_text())["losses"]
+    files = (tmp_path / "files.txt").read_text().split()
+    saved = json.loads((copy / "accel_ds_fix.json").read_text())
+    assert sorted(saved["files"]) == sorted(f for f in files if f != "accel_ds_fix.json")
+    assert not list(tmp_path.glob(".accel_ds_fix-*"))  # the in-place save left nothing beside it
+    return ckpt, expected, files
+
+
+def kill_chain(tmp_path, stage, ckpt, expected, points):
+    """Each point's run resumes what the previous point left; returns {point: outcome of the run it hit}."""
+    outcomes = {}
+    for number, point in enumerate(points):
+        losses = tmp_path / f"losses{number}.json"
+        proc = child(point, ckpt, EXAMPLE, *resume_and_save(stage, ckpt, losses))
+        assert json.loads(losses.read_text())["losses"] == expected, (point, "resumed other losses")
+        outcomes[point] = proc
+        if point.startswith(("torn", "closed", "rename")):
+            assert proc.returncode == -9, (point, proc.returncode, proc.stderr[-3000:])
+        assert not (ckpt.parent / ".accel_ds_fix-old.ckpt").exists() or point.startswith("rename"), point
+    return outcomes
+
+
+def test_killed_saves_zero2_offload_resume_the_previous_checkpoint_or_are_refused(train, tmp_path):
+    stage = STAGES["zero2-offload"]
+    ckpt, expected, files = first_checkpoint(train, tmp_path, stage)
+    # the 4 files of the issue, DeepSpeed's scripts and latest, and the manifest last
+    assert files == SAVED
+    # Killed between every two files (and before the first, after the last), in the middle of the model states
+    # and of the manifest (a torn file elsewhere is the same case: the save's folder is not whole), Ctrl-C, a
+    # full disk, and between the two renames that put the new folder in place.
+    points = ([f"closed:{i}" for i in range(len(files) + 1)] + ["torn:1", "torn:8"]
+              + ["interrupt:2", "enospc:6", "rename:1"])
+    outcomes = kill_chain(tmp_path, stage, ckpt, expected, points)
+    interrupted = outcomes["interrupt:2"]
+    assert interrupted.returncode != 0
+    assert (f"KeyboardInterrupt: accel_ds_fix: save_state({ckpt}) was interrupted (Ctrl-C) before it finished: "
+            f"nothing of it was kept; the previous checkpoint at {ckpt} is untouched.") in interrupted.stderr
+    full = outcomes["enospc:6"]
+    assert full.returncode != 0
+    assert (f"CheckpointError: accel_ds_fix: save_state({ckpt}) ran out of disk space (ENOSPC) after writing"
+            in full.stderr)
+    assert "it needed about " in full.stderr and " free when it started. Nothing of it was kept; the previous " \
+        f"checkpoint at {ckpt} is untouched. Free some space or save elsewhere." in full.stderr
+    # rename:1 killed the save between moving the old folder away and the new one in: the folder is gone, so the
+    # next load is refused, naming what the save left and the newest whole checkpoint (the new one: its manifest
+    # was written).
+    refused = run([sys.executable, EXAMPLE, *stage, "--import-fix", "--resume", ckpt, "--first-step", "3",
+                   "--steps", "2"], check=False)
+    assert refused.returncode != 0
+    assert (f"{REFUSED}{ckpt}: the folder does not exist: a save_state into it was killed while it replaced the "
+            f"folder; rename a whole one to {ckpt} to resume from it. Nothing was loaded. Left by a save_state into "
+            f"it that did not finish: {tmp_path}/.accel_ds_fix-partial.ckpt, {tmp_path}/.accel_ds_fix-old.ckpt (the "
+            "next save_state there clears what is left). The newest whole checkpoint beside it is "
+            f"{tmp_path}/.accel_ds_fix-partial.ckpt.") in refused.stderr
+    # What the message says to do: take a whole one. The run resumes it exactly, and its save clears the folder
+    # the killed save left.
+    shutil.move(f"{tmp_path}/.accel_ds_fix-old.ckpt", ckpt)
+    proc = child("count:/dev/null", ckpt, EXAMPLE, *resume_and_save(stage, ckpt, tmp_path / "after.json"),
+                 check=True)
+    assert json.loads((tmp_path / "after.json").read_text())["losses"] == expected
+    cleared = f"clearing {tmp_path}/.accel_ds_fix-partial.ckpt, left by a save_state into {ckpt} that did not finish"
+    assert cleared in proc.stderr
+    assert not list(tmp_path.glob(".accel_ds_fix-*"))
+
+
+def test_killed_saves_zero3_resume_the_previous_checkpoint(train, tmp_path):
+    """A few points under ZeRO-3 (every one between files under ZeRO-2 above): before the first file, in the
+    optimizer states, in the manifest."""
+    stage = STAGES["zero3"]
+    points = ["closed:0", "torn:2", "torn:8"]
+    ckpt, expected, files = first_checkpoint(train, tmp_path, stage)
+    assert files == ["pytorch_model/zero_pp_rank_0_mp_rank_00_model_states.pt", *SAVED[1:]]
+    kill_chain(tmp_path, stage, ckpt, expected, points)
+    run([sys.executable, EXAMPLE, *stage, "--import-fix", "--resume", ckpt, "--first-step", "3", "--steps", "2",
+         "--out", tmp_path / "last.json"])
+    assert json.loads((tmp_path / "last.json").read_text())["losses"] == expected
+
+
+def test_altered_missing_and_extra_files_are_refused(train, tmp_path):
+    stage = STAGES["zero2-offload"]
+    ckpt = tmp_path / "ckpt"
+    train(*stage, "--import-fix", "--steps", "3", "--save-state", ckpt)
+    shutil.copytree(ckpt, tmp_path / "whole")
+    states = ckpt / "pytorch_model" / "mp_rank_00_model_states.pt"
+    data = bytearray(states.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    states.write_bytes(bytes(data))
+    (ckpt / "random_states_0.pkl").unlink()
+    (ckpt / "notes.txt").write_text("x")
+    proc = run([sys.executable, EXAMPLE, *stage, "--import-fix", "--resume", ckpt, "--first-step", "3",
+                "--steps", "2"], check=False)
+    assert proc.returncode != 0
+    assert (f"{REFUSED}{ckpt}: it is not the checkpoint save_state wrote there (partial, mixed or altered): missing "
+            "random_states_0.pkl; not written by the save: notes.txt; pytorch_model/mp_rank_00_model_states.pt has "
+            "other contents than the save wrote (sha256 differs). Nothing was loaded. The newest whole checkpoint "
+            f"beside it is {tmp_path / 'whole'}.") in proc.stderr
+    assert "step 3: loss" not in proc.stdout
+
+
+def test_diffusers_hook_files_are_part_of_the_checkpoint_and_a_kill_in_them_costs_nothing(tmp_path):
+    """diffusers' save hook writes each model with save_pretrained into a subfolder of the folder it is given;
+    killed while the hook writes, the previous checkpoint resumes exactly."""
+    ckpt = tmp_path / "ckpt"
+    first = tmp_path / "first.json"
+    run([sys.executable, PATTERNS, "diffusers", "--zero-stage", "2", "--steps", "6", "--save-at", "3",
+         "--checkpoint", ckpt, "--out", first])
+    listed = json.loads((ckpt / "accel_ds_fix.json").read_text())["files"]
+    assert "unet/weights.pt" in listed and "text_encoder/model.safetensors" in listed
+    killed = child("torn:unet/weights.pt", ckpt, PATTERNS, "diffusers", "--zero-stage", "2", "--steps", "4",
+                   "--save-at", "4", "--checkpoint", ckpt, "--out", tmp_path / "killed.json")
+    assert killed.returncode == -9
+    resumed = tmp_path / "resumed.json"
+    run([sys.executable, PATTERNS, "diffusers", "--zero-stage", "2", "--steps", "3", "--resume", ckpt,
+         "--out", resumed])
+    assert json.loads(resumed.read_text())["losses"] == json.loads(first.read_text())["losses"][3:]
+
+
+def test_automatic_checkpoint_naming_with_total_limit(tmp_path):
+    proc = run([sys.executable, Path(__file__).resolve().parent / "automatic_naming_child.py", tmp_path / "project"])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["saved"] == ["checkpoint_1", "checkpoint_2"]  # total_limit=2: checkpoint_0 deleted, as accelerate does
+    assert out["manifests"] == [True, True]
+    assert out["resumed_newest"] is True and len(out["losses"]) == 4  # checkpoint_2, not the killed save's folder
