@@ -105,12 +105,38 @@ def direct_io_problem(folder):
     return None
 
 
+def locked_memory_problem(config):
+    """None unless DeepSpeed would lock more host memory than this user may. On a CPU-only machine its NVMe swap
+    locks its buffers with mlock (on a GPU machine CUDA pins them, outside that limit), and a failed mlock aborts
+    the process (an assertion in deepspeed_pin_tensor.cpp), so this is said before."""
+    import resource
+
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+    except ImportError:
+        pass
+    if os.geteuid() == 0:  # root may lock any amount (CAP_IPC_LOCK)
+        return None
+    limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    zero = config.get("zero_optimization", {}) or {}
+    buffers = int((zero.get("offload_optimizer") or {}).get("buffer_count", 4))
+    need = buffers * int(float(zero.get("sub_group_size", 1e9))) * 4 + 64 * 1024**2  # swap buffers + I/O bounces
+    if limit == resource.RLIM_INFINITY or limit >= need:
+        return None
+    return (f"on a machine without a GPU DeepSpeed's NVMe swap locks about {need / GIB:.2f} GiB of host memory, and "
+            f"this user may lock {limit / 1024**2:.0f} MiB (ulimit -l): raise the limit (a memlock line in "
+            "/etc/security/limits.conf, then log in again), or run it on a GPU machine, where CUDA pins the buffers")
+
+
 def problems(config, load=False):
     """Why a config that offloads to NVMe cannot run here ([] when it can, or when it uses no NVMe)."""
     folders = nvme_folders(config)
     if not folders:
         return []
-    found = [async_io_problem(load)]
+    found = [async_io_problem(load), locked_memory_problem(config)]
     for folder in folders:
         found.append(direct_io_problem(folder) if folder else
                      "the config offloads to NVMe without an nvme_path: name a folder on a local disk")

@@ -66,7 +66,13 @@ def measure(folder, aio=None, file_bytes=200 * 1024**2, files=3):
     os.makedirs(folder, exist_ok=True)
     _remove_leftovers(folder)
     paths = [os.path.join(folder, f"{_PREFIX}{os.getpid()}_{i}.swp") for i in range(files)]
-    buffers = [handle.new_cpu_locked_tensor(file_bytes // 4, torch.empty(0, dtype=torch.float32)) for _ in paths]
+    # Page-locked as the tier's swap buffers are: by CUDA where there is a GPU, else by DeepSpeed's own manager.
+    if torch.cuda.is_available():
+        buffers = [torch.empty(file_bytes // 4, dtype=torch.float32).pin_memory() for _ in paths]
+        free = lambda buffer: None  # noqa: E731
+    else:
+        buffers = [handle.new_cpu_locked_tensor(file_bytes // 4, torch.empty(0, dtype=torch.float32)) for _ in paths]
+        free = handle.free_cpu_locked_tensor
     try:
         for b in buffers:
             b.uniform_()  # not zeros: some SSDs compress
@@ -83,7 +89,7 @@ def measure(folder, aio=None, file_bytes=200 * 1024**2, files=3):
         read = time.perf_counter() - started
     finally:
         for buffer in buffers:
-            handle.free_cpu_locked_tensor(buffer)
+            free(buffer)
         for path in paths:
             if os.path.exists(path):
                 os.unlink(path)

@@ -13,6 +13,9 @@ def announce_first_build(wrapped, instance, args, kwargs):
     name = getattr(instance, "name", None)
     if name == "async_io":
         libaio.activate()  # before DeepSpeed's compatibility check, the compile and the load
+    if name and not ops.is_built(name) and ops.clear_stale_lock(name):
+        notices.say(f"removed the lock of a {name} build that was killed halfway: building it again.",
+                    level=logging.WARNING)
     announce = (bool(name) and os.environ.get("LOCAL_RANK", "0") == "0" and not ops.building_ahead()
                 and not ops.is_built(name))
     if announce:

@@ -25,6 +25,39 @@ def build_directory(name):
     return _get_build_directory(name, verbose=False)
 
 
+def _processes_with(predicate):
+    """Whether a live process matches ``predicate(pid)``, which reads /proc links; None without /proc."""
+    if not os.path.isdir("/proc"):
+        return None
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if predicate(pid):
+                return True
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return False
+
+
+def clear_stale_lock(name, wait_seconds=1800):
+    """torch builds an op under a lock file that only its Python process removes: a build killed halfway (an
+    OOM kill, kill -9, a power cut) leaves it, and every later run then waits on it forever, silently. A lock
+    that no live process holds open is stale: once the killed build's own compilers (still running in the folder)
+    are done, it is removed. Returns whether it was."""
+    folder = os.path.realpath(build_directory(name))
+    lock = os.path.join(folder, "lock")
+    if not os.path.exists(lock):
+        return False
+    held = _processes_with(lambda pid: any(os.readlink(f"/proc/{pid}/fd/{fd}") == lock
+                                           for fd in os.listdir(f"/proc/{pid}/fd")))
+    if held is not False:
+        return False
+    deadline = time.monotonic() + wait_seconds
+    while _processes_with(lambda pid: os.readlink(f"/proc/{pid}/cwd") == folder) and time.monotonic() < deadline:
+        time.sleep(1)
+    os.unlink(lock)
+    return True
+
+
 def prebuilt(name):
     """Whether the installed DeepSpeed was built with this op (DS_BUILD_OPS), so nothing is compiled."""
     try:
@@ -73,6 +106,8 @@ def _build_one(accelerator, class_name, report):
             if name == "async_io" else "DeepSpeed says it is not compatible with this machine"
         report(f"{name}: cannot be built here: {why}")
         return True
+    if clear_stale_lock(name):
+        report(f"{name}: removed the lock of a build that was killed halfway ({build_directory(name)})")
     report(f"{name}: building (a few minutes on a small machine) ...")
     started = time.monotonic()
     try:

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,30 @@ def test_a_killed_get_libaio_leaves_nothing_half_done(tmp_path):
     code = "from accel_ds_fix import libaio, nvme_prerequisites; print(libaio.activate()); print(nvme_prerequisites.async_io_problem())"
     out = run([sys.executable, "-c", code], env=clean_env(ACCEL_DS_FIX_LIBAIO=str(target))).stdout.splitlines()
     assert out[-1] == "None"  # the fetched folder serves DeepSpeed's compatibility check (or the system's libaio does)
+
+
+def test_a_build_killed_halfway_does_not_hang_the_next_run(tmp_path):
+    # torch builds an op under a lock file that only the builder removes; an OOM kill or kill -9 halfway through
+    # DeepSpeed's first compile left it, and every later run waited on it forever. The next build removes a lock
+    # that no live process holds and builds. (The CPU's shared-memory op: the quickest of DeepSpeed's ops.)
+    env = clean_env(TORCH_EXTENSIONS_DIR=str(tmp_path))
+    build = [sys.executable, "-c", "from accel_ds_fix import ops; ops.build(('ShareMemCommBuilder',))"]
+    child = subprocess.Popen(build, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    for line in child.stdout:  # "building ..." is said just before torch takes the lock
+        if "building" in line:
+            break
+    for _ in range(600):
+        if lock.exists() or child.poll() is not None:
+            break
+        time.sleep(0.1)
+    if not lock.exists():
+        child.kill()
+        pytest.skip("DeepSpeed's CPU backend has no shared-memory op to build here")
+    time.sleep(2)  # the compilers at work
+    os.killpg(child.pid, 9)  # the whole build, compilers included, as a power cut would
+    child.wait()
+    assert lock.exists()
+    proc = run(build, env=env, timeout=900)
+    assert "deepspeed_shm_comm: removed the lock of a build that was killed halfway" in proc.stdout
+    assert "deepspeed_shm_comm: built in" in proc.stdout and not lock.exists()
