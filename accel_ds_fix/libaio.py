@@ -134,13 +134,13 @@ def fetch(folder=None, report=print):
         for leftover in glob.glob(f"{folder}.partial-*"):  # of fetches killed before
             shutil.rmtree(leftover, ignore_errors=True)
         partial = f"{folder}.partial-{os.getpid()}"
+        os.makedirs(os.path.dirname(folder), exist_ok=True)  # ~/.cache/accel_ds_fix on a first fetch
         for deb in sorted(glob.glob(os.path.join(state, "*.deb"))):
             subprocess.run(["dpkg-deb", "-x", deb, partial], check=True, timeout=120)
         if not local_folder_at(partial) or _runtime_library(partial) is None:
             shutil.rmtree(partial, ignore_errors=True)
             raise LibaioError("unpacked Debian's libaio, but libaio.h or libaio.so.1 is not in it")
         shutil.rmtree(folder, ignore_errors=True)  # incomplete (local_folder_at said so), e.g. made by hand
-        os.makedirs(os.path.dirname(folder), exist_ok=True)
         os.rename(partial, folder)
     report(f"libaio: unpacked into {folder}")
     return folder

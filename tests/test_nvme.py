@@ -164,7 +164,7 @@ def test_a_killed_get_libaio_leaves_nothing_half_done(tmp_path):
     # never a header beside a missing or truncated library; the next fetch completes and clears what was left.
     if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
         pytest.skip("no apt-get or dpkg-deb here (not Debian or Ubuntu): get-libaio says so instead")
-    target = tmp_path / "libaio"
+    target = tmp_path / "cache" / "libaio"  # in a folder not made yet, as ~/.cache/accel_ds_fix on a first fetch
     fetch = [sys.executable, "-c", f"from accel_ds_fix import libaio; libaio.fetch({str(target)!r})"]
     for delay in (0.5, 1.0, 1.5, 2.0, 3.0):
         child = subprocess.Popen(fetch, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -177,7 +177,7 @@ def test_a_killed_get_libaio_leaves_nothing_half_done(tmp_path):
             assert libaio.local_folder_at(str(target)) and list(target.glob("usr/lib/**/libaio.so.1*"))
             break
     proc = run(fetch)
-    assert libaio.local_folder_at(str(target)) and not list(tmp_path.glob("libaio.partial-*")), proc.stderr
+    assert libaio.local_folder_at(str(target)) and not list(target.parent.glob("libaio.partial-*")), proc.stderr
     code = "from accel_ds_fix import libaio, nvme_prerequisites; print(libaio.activate()); print(nvme_prerequisites.async_io_problem())"
     out = run([sys.executable, "-c", code], env=clean_env(ACCEL_DS_FIX_LIBAIO=str(target))).stdout.splitlines()
     assert out[-1] == "None"  # the fetched folder serves DeepSpeed's compatibility check (or the system's libaio does)
