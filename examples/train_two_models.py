@@ -72,7 +72,9 @@ class HandMerged(torch.nn.Module):
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--zero-stage", type=int, default=2)
-    p.add_argument("--offload", default="none", choices=["none", "cpu"], help="ZeRO optimizer offload device")
+    p.add_argument("--offload", default="none", choices=["none", "cpu", "nvme"], help="ZeRO optimizer offload device")
+    p.add_argument("--nvme-path", help="with --offload nvme: the folder DeepSpeed swaps the optimizer states into")
+    p.add_argument("--offload-params", action="store_true", help="ZeRO-3: the weights on the CPU too (zero3-offload)")
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
     p.add_argument("--gas", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--steps", type=int, default=6, help="batches to train on")
@@ -132,6 +134,8 @@ def make_accelerator(args):
     plugin = DeepSpeedPlugin(
         zero_stage=args.zero_stage,
         offload_optimizer_device=args.offload,
+        offload_optimizer_nvme_path=args.nvme_path,
+        offload_param_device="cpu" if args.offload_params else "none",
         gradient_accumulation_steps=args.gas,
         gradient_clipping=1.0,
         zero3_save_16bit_model=True,  # lets --reference export its merged module under ZeRO-3

@@ -11,9 +11,12 @@ run that checks the previous kill is the one whose own save is killed next.
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
-from conftest import EXAMPLE, clean_env, run
+import pytest
+
+from conftest import EXAMPLE, clean_env, run, skip_without_nvme
 
 CHILD = Path(__file__).resolve().parent / "crash_save_child.py"
 PATTERNS = Path(__file__).resolve().parent / "hook_patterns.py"
@@ -166,3 +169,24 @@ def test_automatic_checkpoint_naming_with_total_limit(tmp_path):
     assert out["saved"] == ["checkpoint_1", "checkpoint_2"]  # total_limit=2: checkpoint_0 deleted, as accelerate does
     assert out["manifests"] == [True, True]
     assert out["resumed_newest"] is True and len(out["losses"]) == 4  # checkpoint_2, not the killed save's folder
+
+
+@pytest.mark.parametrize("tier", ["zero3-offload", "zero3-nvme"])
+def test_killed_saves_of_the_other_shipped_tiers_resume_the_previous_checkpoint(train, tmp_path, request, tier):
+    """The shipped tiers' layouts beyond ZeRO-2 + CPU offload: ZeRO-3 with weights and optimizer on the CPU, and with
+    the optimizer on NVMe (its checkpoint holds the swapped optimizer states): killed before the first file, inside
+    the optimizer states and between two files."""
+    stage = ["--zero-stage", "3", "--offload", "cpu", "--offload-params"]
+    if tier == "zero3-nvme":
+        skip_without_nvme()
+        from accel_ds_fix import tiers
+
+        swap = Path(tempfile.mkdtemp(dir=Path(tiers.DEFAULT_NVME_PATH).parent))  # a disk, not a tmpfs /tmp
+        request.addfinalizer(lambda: shutil.rmtree(swap, ignore_errors=True))
+        stage = ["--zero-stage", "3", "--offload", "nvme", "--nvme-path", str(swap)]
+    ckpt, expected, files = first_checkpoint(train, tmp_path, stage)
+    states = next(i for i, f in enumerate(files, 1) if "optim_states" in f)  # the child counts files from 1
+    kill_chain(tmp_path, stage, ckpt, expected, ["closed:0", f"torn:{states}", f"closed:{states}"])
+    run([sys.executable, EXAMPLE, *stage, "--import-fix", "--resume", ckpt, "--first-step", "3", "--steps", "2",
+         "--out", tmp_path / "last.json"])
+    assert json.loads((tmp_path / "last.json").read_text())["losses"] == expected
