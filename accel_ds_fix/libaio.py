@@ -90,17 +90,21 @@ def activate():
     return folder
 
 
-def _apt(*args, state):
+def _private_state(state):
     # A private package list and cache: works without root and leaves the system's apt state alone.
-    options = ["-o", f"Dir::State::Lists={state}/lists", "-o", f"Dir::Cache={state}/cache", "-o", "Debug::NoLocking=1"]
+    return ["-o", f"Dir::State::Lists={state}/lists", "-o", f"Dir::Cache={state}/cache"]
+
+
+def _apt(*args, state):
+    options = _private_state(state) + ["-o", "Debug::NoLocking=1"]
     if os.geteuid() == 0:  # apt's _apt user cannot enter a private temporary folder
         options += ["-o", "APT::Sandbox::User=root"]
     return subprocess.run(["apt-get", *options, *args], capture_output=True, text=True, timeout=600, cwd=state)
 
 
 def _runtime_package(state):
-    proc = subprocess.run(["apt-cache", "-o", f"Dir::State::Lists={state}/lists", "-o", f"Dir::Cache={state}/cache",
-                           "depends", "libaio-dev"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(["apt-cache", *_private_state(state), "depends", "libaio-dev"], capture_output=True,
+                          text=True, timeout=120)
     for line in proc.stdout.splitlines():
         name = line.strip().removeprefix("Depends:").strip()
         if line.strip().startswith("Depends:") and name.startswith("libaio1"):

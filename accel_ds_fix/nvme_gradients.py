@@ -65,17 +65,14 @@ def hand_to_swapper(wrapped, instance, args, kwargs):
     """DeepSpeedZeroOptimizer_Stage3._swap_out_offload_fp32_gradients: register the host partitions as gradients
     the swapper keeps in memory; the step's swap-in copies them into its fp32 buffer."""
     gradients, offsets = _swap_out_args(*args, **kwargs)
-    in_ram = {i: t for i, t in gradients.items() if _applies(instance, i)}
-    if not in_ram:
+    # keep_on_host decided per sub group by the same test, so a call's gradients are all host views or none are.
+    if not gradients or not all(_applies(instance, i) for i in gradients):
         return wrapped(*args, **kwargs)
     from deepspeed.accelerator import get_accelerator
 
     get_accelerator().synchronize()  # the host partitions were filled by non-blocking copies from the device
-    for sub_group, tensors in in_ram.items():
+    for sub_group, tensors in gradients.items():
         swap_info = instance.optimizer_swapper._get_param_swap_info(instance.fp32_partitioned_groups_flat[sub_group])
         if swap_info is not None:
             swap_info.unswapped_gradients.update(zip(offsets[sub_group], tensors))
-    rest = {i: t for i, t in gradients.items() if i not in in_ram}
-    if rest:
-        return wrapped(rest, {i: offsets[i] for i in rest})
     return None

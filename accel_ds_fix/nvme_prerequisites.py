@@ -7,7 +7,7 @@ import errno
 import mmap
 import os
 
-from . import libaio, ops
+from . import libaio, memory, ops
 
 GIB = 1024**3
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")
@@ -121,9 +121,8 @@ def locked_memory_problem(config):
     if os.geteuid() == 0:  # root may lock any amount (CAP_IPC_LOCK)
         return None
     limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-    zero = config.get("zero_optimization", {}) or {}
-    buffers = int((zero.get("offload_optimizer") or {}).get("buffer_count", 4))
-    need = buffers * int(float(zero.get("sub_group_size", 1e9))) * 4 + 64 * 1024**2  # swap buffers + I/O bounces
+    settings = memory.Settings.from_config(config)
+    need = settings.swap_buffers * settings.sub_group * 4 + 64 * 1024**2  # swap buffers + I/O bounce buffers
     if limit == resource.RLIM_INFINITY or limit >= need:
         return None
     return (f"on a machine without a GPU DeepSpeed's NVMe swap locks about {need / GIB:.2f} GiB of host memory, and "

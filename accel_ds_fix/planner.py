@@ -112,10 +112,10 @@ def _detected_host():
     return _meminfo("MemTotal")
 
 
-def _can_run_here(config, work, settings, prediction):
+def _can_run_here(config, prediction, checkpoint):
     """(reasons it cannot run on this machine, notes): NVMe prerequisites and disk room; none for other tiers."""
     cannot = nvme_prerequisites.problems(config)
-    errors, notes = nvme_prerequisites.room_problems(config, prediction.nvme, memory.checkpoint_bytes(work, settings))
+    errors, notes = nvme_prerequisites.room_problems(config, prediction.nvme, checkpoint)
     return cannot + errors, notes
 
 
@@ -128,14 +128,15 @@ def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_
         p = memory.predict(work, settings, "cuda")
         fits_gpu = bool(machine.gpu_usable) and p.gpu_reserved <= machine.gpu_usable
         fits_host = bool(machine.host_usable) and p.host <= machine.host_usable
-        cannot, notes = _can_run_here(config, work, settings, p)
+        checkpoint = memory.checkpoint_bytes(work, settings)
+        cannot, notes = _can_run_here(config, p, checkpoint)
         rows.append({
             "tier": tier.name,
             "title": tier.title,
             "gpu_reserved_gib": round(p.gpu_reserved / GIB, 2),
             "host_gib": round(p.host / GIB, 2),
             "nvme_gib": round(p.nvme / GIB, 2),
-            "checkpoint_gib": round(memory.checkpoint_bytes(work, settings) / GIB, 2),
+            "checkpoint_gib": round(checkpoint / GIB, 2),
             "fits_gpu": fits_gpu,
             "fits_host": fits_host,
             "fits": fits_gpu and fits_host,
