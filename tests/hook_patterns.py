@@ -243,6 +243,9 @@ def main():
     seen["losses"] = losses
     if accelerator.is_main_process:
         Path(args.out).write_text(json.dumps(seen))
+    # As diffusers' and kohya's scripts end. A gloo process group left to interpreter shutdown can abort a rank
+    # ("terminate called without an active exception", pytorch issue 190489): seen once in CI without this.
+    accelerator.end_training()
 
 
 if __name__ == "__main__":
