@@ -14,7 +14,7 @@ __all__ = ["install", "uninstall", "is_installed", "unwrap", "__version__"]
 
 def unwrap(model):
     """The user's own model behind an object returned by a merged ``prepare()``; anything else unchanged."""
-    from .proxy import unwrap as _unwrap
+    from .merge.proxy import unwrap as _unwrap
 
     return _unwrap(model)
 

@@ -1,7 +1,7 @@
-"""`python -m accel_ds_fix [plan ...]`: see accel_ds_fix/cli.py."""
+"""`python -m accel_ds_fix [plan ...]`: see accel_ds_fix/cli/commands.py."""
 
 import sys
 
-from .cli import main
+from .cli.commands import main
 
 sys.exit(main())

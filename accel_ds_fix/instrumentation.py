@@ -10,44 +10,44 @@ import threading
 
 import wrapt
 
-# module -> {attribute path inside it ("function" or "Class.method"): "wrapper module.wrapper name"}
+# module -> {attribute path inside it ("function" or "Class.method"): "wrapper module (in this package).wrapper name"}
 PATCHES = {
     "accelerate.accelerator": {
-        "Accelerator.prepare": "merging.prepare",
-        "Accelerator.backward": "trainability.backward",
-        "Accelerator.clip_grad_norm_": "clipping.clip_grad_norm_",
-        "Accelerator.unwrap_model": "exports.unwrap_model",
-        "Accelerator.get_state_dict": "exports.get_state_dict",
-        "Accelerator.save_state": "checkpointing.save_state",
-        "Accelerator.load_state": "checkpointing.load_state",
-        "Accelerator.end_training": "lifecycle.end_training",
+        "Accelerator.prepare": "merge.prepare.prepare",
+        "Accelerator.backward": "merge.trainability.backward",
+        "Accelerator.clip_grad_norm_": "patches.clipping.clip_grad_norm_",
+        "Accelerator.unwrap_model": "checkpoints.exports.unwrap_model",
+        "Accelerator.get_state_dict": "checkpoints.exports.get_state_dict",
+        "Accelerator.save_state": "checkpoints.save_load.save_state",
+        "Accelerator.load_state": "checkpoints.save_load.load_state",
+        "Accelerator.end_training": "patches.end_training.end_training",
     },
     # `accelerate launch` (the launcher process): a relative deepspeed_config_file of a YAML config
     "accelerate.commands.launch": {
-        "_validate_launch_command": "launch_config.resolve_config_file_paths",
+        "_validate_launch_command": "patches.launch_config.resolve_config_file_paths",
     },
     # every process that builds a DeepSpeedPlugin: a config file that is not there
     "accelerate.utils.dataclasses": {
-        "DeepSpeedPlugin.__post_init__": "launch_config.check_config_file",
+        "DeepSpeedPlugin.__post_init__": "patches.launch_config.check_config_file",
     },
     # ZeRO-3: transformers < 4.51 refuses low_cpu_mem_usage=True, which diffusers' loaders pass
     "transformers.modeling_utils": {
-        "PreTrainedModel.from_pretrained": "zero3_loading.drop_low_cpu_mem_usage",
+        "PreTrainedModel.from_pretrained": "patches.zero3_loading.drop_low_cpu_mem_usage",
     },
     "deepspeed.runtime.zero.stage_1_and_2": {
-        "DeepSpeedZeroOptimizer._update_model_bit16_weights": "zero_memory.release_after_flatten",
+        "DeepSpeedZeroOptimizer._update_model_bit16_weights": "patches.gpu_block_release.release_after_flatten",
     },
     # ZeRO-3 NVMe optimizer offload: the step's gradients from host memory, not a write and read on the disk
     "deepspeed.runtime.zero.stage3": {
-        "DeepSpeedZeroOptimizer_Stage3._offload_grad_partition_at_boundary": "nvme_gradients.keep_on_host",
-        "DeepSpeedZeroOptimizer_Stage3._swap_out_offload_fp32_gradients": "nvme_gradients.hand_to_swapper",
+        "DeepSpeedZeroOptimizer_Stage3._offload_grad_partition_at_boundary": "nvme.host_gradients.keep_on_host",
+        "DeepSpeedZeroOptimizer_Stage3._swap_out_offload_fp32_gradients": "nvme.host_gradients.hand_to_swapper",
     },
     # NVMe offload: DeepSpeed loads its pin_memory op into the global symbol scope
     "deepspeed.ops.op_builder.pin_memory": {
-        "PinMemoryBuilder.load": "symbol_scope.libstdcxx_first",
+        "PinMemoryBuilder.load": "ops.symbol_scope.libstdcxx_first",
     },
     "deepspeed.ops.op_builder.builder": {
-        "OpBuilder.jit_load": "op_builds.announce_first_build",
+        "OpBuilder.jit_load": "ops.first_build_notice.announce_first_build",
     },
 }
 
@@ -115,6 +115,6 @@ def _apply(module):
             continue  # another release may lack it (accelerate < 0.17 has no save hooks, say): nothing to wrap
         owner, attribute, original = wrapt.resolve_path(module, path)
         _originals[(target, path)] = (owner, attribute, original)
-        wrapper_module, wrapper_name = wrapper.split(".")
+        wrapper_module, wrapper_name = wrapper.rsplit(".", 1)
         function = getattr(importlib.import_module(f"{__package__}.{wrapper_module}"), wrapper_name)
         wrapt.wrap_function_wrapper(module, path, function)

@@ -12,7 +12,7 @@ SUPPORTED = {
     "deepspeed": ("0.14.4", "0.19.8"),
 }
 
-# DeepSpeed releases whose ZeRO-3 NVMe gradient swap nvme_gradients.py was written against and tested with.
+# DeepSpeed releases whose ZeRO-3 NVMe gradient swap nvme/host_gradients.py was written against and tested with.
 NVME_GRADIENTS_IN_RAM = ("0.19.8", "0.19.8")
 
 # accelerate before this release puts DeepSpeed on CUDA (or XPU) only: AcceleratorState calls

@@ -36,7 +36,7 @@ def worker(args):
     import torch
 
     import accel_ds_fix  # noqa: F401
-    from accel_ds_fix import tiers
+    from accel_ds_fix.memory import tiers
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
     from sd15_6gb import build_models

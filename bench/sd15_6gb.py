@@ -111,7 +111,7 @@ def hand_merged(unet, text_encoder, device_type, dtype):
 
 
 def deepspeed_config(name, nvme_path):
-    from accel_ds_fix import tiers
+    from accel_ds_fix.memory import tiers
 
     if name in tiers.BY_NAME:
         return tiers.BY_NAME[name].deepspeed_config(nvme_path)
@@ -249,7 +249,7 @@ def worker(name, args):
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
-    from accel_ds_fix import memory, memory_check
+    from accel_ds_fix.memory import model as memory_model, check as memory_check
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -297,12 +297,12 @@ def worker(name, args):
     result["trainable_m"] = sum(p.numel() for p in params) / 1e6
     if config_name is not None:
         work = memory_check.workload_of(models, optimizer)
-        work = memory.Workload(**{**work.__dict__, "activations": 0 if args.tiny else memory.SD15_ACTIVATIONS})
-        settings = memory.Settings.from_config(accelerator.state.deepspeed_plugin.deepspeed_config, precision)
-        p = memory.predict(work, settings, "cuda" if cuda else "cpu", host_baseline=0)
+        work = memory_model.Workload(**{**work.__dict__, "activations": 0 if args.tiny else memory_model.SD15_ACTIVATIONS})
+        settings = memory_model.Settings.from_config(accelerator.state.deepspeed_plugin.deepspeed_config, precision)
+        p = memory_model.predict(work, settings, "cuda" if cuda else "cpu", host_baseline=0)
         result.update(predicted_gpu_allocated_gib=p.gpu_allocated / GIB, predicted_gpu_reserved_gib=p.gpu_reserved / GIB,
                       predicted_host_gib=(p.host + int(result["rss_before_models_gib"] * GIB)) / GIB,
-                      predicted_host_plan_gib=(p.host + memory.HOST_BASELINE["cuda" if cuda else "cpu"]) / GIB,
+                      predicted_host_plan_gib=(p.host + memory_model.HOST_BASELINE["cuda" if cuda else "cpu"]) / GIB,
                       predicted_nvme_gib=p.nvme / GIB)
     result["rss_models_built_gib"] = rss() / GIB
     g = torch.Generator().manual_seed(1)

@@ -59,7 +59,7 @@ def main():
     import torch
 
     import accel_ds_fix  # noqa: F401
-    from accel_ds_fix import threads
+    from accel_ds_fix.patches import cpu_threads
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
     from sd15_6gb import build_models, hand_merged
@@ -128,7 +128,7 @@ def main():
         f"{result['ratio_median']:.3f} (min {result['ratio_min']:.3f}, max {result['ratio_max']:.3f}); "
         f"hand {result['hand_median_s']:.3f} s, fix {result['fix_median_s']:.3f} s", flush=True)
 
-    cores = threads.cores_per_process()  # this process's share of the machine's cores
+    cores = cpu_threads.cores_per_process()  # this process's share of the machine's cores
     if args.thread_cycles:  # 0: only the fix / hand comparison
         result["threads"] = thread_cycles(args, step, fix_acc, fix_forward, fix_opt, cores, say)
     result["processes"] = world

@@ -75,7 +75,7 @@ def scenario():
 def nvme_unavailable():
     """Why the NVMe tier cannot run on this machine (libaio, a direct-I/O folder), or None when it can. Asked in a
     child: the check puts a set-up's libaio on this process's build paths, which the tests' children would inherit."""
-    code = ("import json; from accel_ds_fix import nvme_prerequisites, tiers; "
+    code = ("import json; from accel_ds_fix.nvme import prerequisites as nvme_prerequisites; from accel_ds_fix.memory import tiers; "
             "print(json.dumps(nvme_prerequisites.problems(tiers.BY_NAME['zero3-nvme'].deepspeed_config())))")
     problems = json.loads(run([sys.executable, "-c", code]).stdout.strip().splitlines()[-1])
     return "; ".join(problems) or None

@@ -21,7 +21,7 @@ from accelerate.utils import DeepSpeedPlugin  # noqa: E402
 from train_two_models import single_process_env  # noqa: E402
 
 import accel_ds_fix  # noqa: E402,F401
-from accel_ds_fix import memory, memory_check  # noqa: E402
+from accel_ds_fix.memory import model as memory_model, check as memory_check  # noqa: E402
 
 
 class Unet(torch.nn.Module):
@@ -67,8 +67,8 @@ def main():
     unet, text_encoder = Unet(args.width), TextEncoder(args.width)
     optimizer = torch.optim.AdamW([*unet.parameters(), *text_encoder.parameters()], lr=1e-4)
     work = memory_check.workload_of([unet, text_encoder], optimizer)
-    settings = memory.Settings.from_config(accelerator.state.deepspeed_plugin.deepspeed_config, args.mixed_precision)
-    predicted = memory.predict(work, settings, "cpu", host_baseline=0)
+    settings = memory_model.Settings.from_config(accelerator.state.deepspeed_plugin.deepspeed_config, args.mixed_precision)
+    predicted = memory_model.predict(work, settings, "cpu", host_baseline=0)
     unet, text_encoder, optimizer = accelerator.prepare(unet, text_encoder, optimizer)
     for _ in range(3):
         ids, x = torch.randint(0, 512, (2, 8)), torch.randn(2, args.width)

@@ -232,7 +232,7 @@ def zero3_partitioned_at_load_bf16(reference):
 @scenario
 def zero3_low_cpu_mem_usage(reference):
     # diffusers' pipeline loader passes low_cpu_mem_usage=True to each transformers model; transformers < 4.51
-    # refuses it under a ZeRO-3 config (seed-era kohya train_db.py with diffusers 0.25 under a ZeRO-3 tier).
+    # refuses it under a ZeRO-3 config (kohya's January 2023 train_db.py (bf691aef) with diffusers 0.25 under a ZeRO-3 tier).
     # --reference: without the fix.
     import tempfile
 

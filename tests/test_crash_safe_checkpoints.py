@@ -179,7 +179,7 @@ def test_killed_saves_of_the_other_shipped_tiers_resume_the_previous_checkpoint(
     stage = ["--zero-stage", "3", "--offload", "cpu", "--offload-params"]
     if tier == "zero3-nvme":
         skip_without_nvme()
-        from accel_ds_fix import tiers
+        from accel_ds_fix.memory import tiers
 
         swap = Path(tempfile.mkdtemp(dir=Path(tiers.DEFAULT_NVME_PATH).parent))  # a disk, not a tmpfs /tmp
         request.addfinalizer(lambda: shutil.rmtree(swap, ignore_errors=True))

@@ -62,7 +62,7 @@ def test_core_training_on_older_releases(point):
     assert expected in proc.stdout, proc.stdout[-2000:]
 
 
-# accelerate 0.15 (kohya's seed-era pin) builds no Accelerator with DeepSpeed on a CPU; what it does with the
+# accelerate 0.15 (the pin of kohya's January 2023 scripts (bf691aef)) builds no Accelerator with DeepSpeed on a CPU; what it does with the
 # shipped configs before that runs here with its real DeepSpeedPlugin (the GPU run: docs/gpu.md, run 7).
 OLD_ACCELERATE_PROBE = """
 import json, torch
@@ -73,7 +73,7 @@ try:
 except ValueError as e:
     result["without_fix"] = str(e)
 import accel_ds_fix
-from accel_ds_fix import old_accelerate
+from accel_ds_fix.patches import old_accelerate
 config = DeepSpeedPlugin(hf_ds_config="configs/ds_zero2_offload.json").deepspeed_config
 old_accelerate.fill_precision(config, "fp16")
 model = torch.nn.Linear(2, 2)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from accel_ds_fix import memory, planner, tiers
+from accel_ds_fix.memory import model as memory_model, advice, tiers
 from conftest import ROOT, clean_env, nvme_unavailable, run, skip_without_nvme
 
-GIB = memory.GIB
+GIB = memory_model.GIB
 PROBE = ROOT / "tests" / "memory_probe.py"
 CONFIGS = {
     "zero2-offload": ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, "no"),
@@ -51,13 +51,13 @@ def test_predicted_host_peak_is_within_ten_percent_of_measured(tmp_path, request
 
 
 def sd15(**kw):
-    return memory.Workload(params=982_600_000, trainable=982_600_000, largest_trainable=memory.SD15_LARGEST_TENSOR,
-                           activations=memory.SD15_ACTIVATIONS, **kw)
+    return memory_model.Workload(params=982_600_000, trainable=982_600_000, largest_trainable=memory_model.SD15_LARGEST_TENSOR,
+                           activations=memory_model.SD15_ACTIVATIONS, **kw)
 
 
 def tier_prediction(name, **kw):
-    settings = memory.Settings.from_config(tiers.BY_NAME[name].deepspeed_config(), "fp16", **kw)
-    return memory.predict(sd15(), settings, "cuda")
+    settings = memory_model.Settings.from_config(tiers.BY_NAME[name].deepspeed_config(), "fp16", **kw)
+    return memory_model.predict(sd15(), settings, "cuda")
 
 
 def test_predictions_for_sd15_match_the_gpu_measurements_in_docs():
@@ -68,12 +68,12 @@ def test_predictions_for_sd15_match_the_gpu_measurements_in_docs():
     # fp16 master weights and gradients: 15.9 GiB host measured (bench/sd15_6gb.py).
     config = tiers.BY_NAME["zero2-offload"].deepspeed_config()
     config["fp16"]["fp16_master_weights_and_grads"] = True
-    p = memory.predict(sd15(), memory.Settings.from_config(config, "fp16"), "cuda")
+    p = memory_model.predict(sd15(), memory_model.Settings.from_config(config, "fp16"), "cuda")
     assert p.host / GIB == pytest.approx(15.9, rel=0.10)
     # docs/gpu.md run 6, the NVMe tier: 2.56 GiB allocated / 3.42 reserved, 8.73 GiB host (the bench's process
     # held 0.88 GiB before the models).
-    settings = memory.Settings.from_config(tiers.BY_NAME["zero3-nvme"].deepspeed_config(), "fp16")
-    p = memory.predict(sd15(), settings, "cuda", host_baseline=int(0.88 * GIB))
+    settings = memory_model.Settings.from_config(tiers.BY_NAME["zero3-nvme"].deepspeed_config(), "fp16")
+    p = memory_model.predict(sd15(), settings, "cuda", host_baseline=int(0.88 * GIB))
     assert p.gpu_allocated / GIB == pytest.approx(2.56, rel=0.10)
     assert p.gpu_reserved / GIB == pytest.approx(3.42, rel=0.10)
     assert p.host / GIB == pytest.approx(8.73, rel=0.10)
@@ -85,7 +85,7 @@ def test_sub_group_size_and_nvme_change_the_host_prediction():
     offload, nvme = tier_prediction("zero3-offload"), tier_prediction("zero3-nvme")
     config = tiers.BY_NAME["zero3-offload"].deepspeed_config()
     config["zero_optimization"]["sub_group_size"] = int(1e9)
-    default_sub_group = memory.predict(sd15(), memory.Settings.from_config(config, "fp16"), "cuda")
+    default_sub_group = memory_model.predict(sd15(), memory_model.Settings.from_config(config, "fp16"), "cuda")
     assert (default_sub_group.host - offload.host) / GIB == pytest.approx(3.3, abs=0.1)
     assert nvme.nvme / GIB == pytest.approx(982.6e6 * 12 / GIB, rel=0.01)
     assert nvme.host < 12 * GIB and nvme.gpu_reserved < 5 * GIB
@@ -118,7 +118,7 @@ def test_plan_counts_a_model_folder_without_loading_it(tmp_path):
         (pipeline / component).mkdir(parents=True)
         save_file({"w": torch.zeros(shape)}, str(pipeline / component / "diffusion_pytorch_model.safetensors"))
     (pipeline / "model_index.json").write_text("{}")
-    assert planner.count_model_dir(str(pipeline)) == {"unet": 100_000, "text_encoder": 30_000}
+    assert advice.count_model_dir(str(pipeline)) == {"unet": 100_000, "text_encoder": 30_000}
     out = json.loads(run([sys.executable, "-m", "accel_ds_fix", "plan", "--model", pipeline, "--gpu-memory", "6GiB",
                           "--host-memory", "16GiB", "--json"]).stdout)
     assert out["params"] == 130_000 and out["source"] == "unet 0.1M, text_encoder 0.0M"

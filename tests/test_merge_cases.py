@@ -140,7 +140,7 @@ def test_zero3_transformers_loads_with_low_cpu_mem_usage_as_diffusers_asks(scena
 
 
 def test_few_cpu_threads_under_offload_are_said(scenario):
-    from accel_ds_fix.threads import cores_per_process
+    from accel_ds_fix.patches.cpu_threads import cores_per_process
 
     if cores_per_process() < 2:
         pytest.skip("one core: nothing more to use")
@@ -213,7 +213,7 @@ def test_offload_check_goes_by_the_optimizer_class_not_its_name():
     import torch
 
     from accel_ds_fix.errors import MergeError
-    from accel_ds_fix.plan import _check_offloadable
+    from accel_ds_fix.merge.grouping import _check_offloadable
 
     params = [torch.nn.Parameter(torch.zeros(2))]
 

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from accel_ds_fix import libaio, nvme_prerequisites, tiers
+from accel_ds_fix.memory import tiers
+from accel_ds_fix.nvme import prerequisites as nvme_prerequisites
+from accel_ds_fix.ops import libaio
 from conftest import EXAMPLE, ROOT, clean_env, run, skip_without_nvme
 
 PROBE = ROOT / "tests" / "nvme_probe.py"
@@ -165,7 +167,7 @@ def test_a_killed_get_libaio_leaves_nothing_half_done(tmp_path):
     if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
         pytest.skip("no apt-get or dpkg-deb here (not Debian or Ubuntu): get-libaio says so instead")
     target = tmp_path / "cache" / "libaio"  # in a folder not made yet, as ~/.cache/accel_ds_fix on a first fetch
-    fetch = [sys.executable, "-c", f"from accel_ds_fix import libaio; libaio.fetch({str(target)!r})"]
+    fetch = [sys.executable, "-c", f"from accel_ds_fix.ops import libaio; libaio.fetch({str(target)!r})"]
     for delay in (0.5, 1.0, 1.5, 2.0, 3.0):
         child = subprocess.Popen(fetch, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
@@ -178,7 +180,7 @@ def test_a_killed_get_libaio_leaves_nothing_half_done(tmp_path):
             break
     proc = run(fetch)
     assert libaio.local_folder_at(str(target)) and not list(target.parent.glob("libaio.partial-*")), proc.stderr
-    code = "from accel_ds_fix import libaio, nvme_prerequisites; print(libaio.activate()); print(nvme_prerequisites.async_io_problem())"
+    code = "from accel_ds_fix.ops import libaio; from accel_ds_fix.nvme import prerequisites as nvme_prerequisites; print(libaio.activate()); print(nvme_prerequisites.async_io_problem())"
     out = run([sys.executable, "-c", code], env=clean_env(ACCEL_DS_FIX_LIBAIO=str(target))).stdout.splitlines()
     assert out[-1] == "None"  # the fetched folder serves DeepSpeed's compatibility check (or the system's libaio does)
 
@@ -188,7 +190,7 @@ def test_a_build_killed_halfway_does_not_hang_the_next_run(tmp_path):
     # DeepSpeed's first compile left it, and every later run waited on it forever. The next build removes a lock
     # that no live process holds and builds. (The CPU's shared-memory op: the quickest of DeepSpeed's ops.)
     env = clean_env(TORCH_EXTENSIONS_DIR=str(tmp_path))
-    build = [sys.executable, "-c", "from accel_ds_fix import ops; ops.build(('ShareMemCommBuilder',))"]
+    build = [sys.executable, "-c", "from accel_ds_fix.ops import builds; builds.build(('ShareMemCommBuilder',))"]
     child = subprocess.Popen(build, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
     lock = tmp_path / "deepspeed_shm_comm" / "lock"
     for line in child.stdout:  # "building ..." is said just before torch takes the lock

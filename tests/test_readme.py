@@ -9,7 +9,7 @@ import zipfile
 from pathlib import Path
 
 import accel_ds_fix
-from accel_ds_fix import libaio
+from accel_ds_fix.ops import libaio
 from conftest import ROOT, clean_env, nvme_unavailable, run
 
 README = (ROOT / "README.md").read_text()
@@ -54,7 +54,7 @@ def test_wheel_command_builds_the_file_the_readme_installs(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     with zipfile.ZipFile(tmp_path / wheel) as built:
-        assert "accel_ds_fix.pth" in built.namelist() and "accel_ds_fix/cli.py" in built.namelist()
+        assert "accel_ds_fix.pth" in built.namelist() and "accel_ds_fix/cli/commands.py" in built.namelist()
 
 
 def test_demo_fails_without_the_fix_and_trains_with_it():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from accel_ds_fix import tiers
+from accel_ds_fix.memory import tiers
 from conftest import EXAMPLE, ROOT, clean_env, run, skip_without_nvme
 
 YAMLS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -24,7 +24,7 @@ def launch(config, folder, *script_args, env=None, check=True):
 
 
 def test_configs_folder_is_what_the_tiers_write(tmp_path):
-    # configs/ is made from accel_ds_fix/tiers.py, which `python -m accel_ds_fix plan --write` also uses.
+    # configs/ is made from accel_ds_fix/memory/tiers.py, which `python -m accel_ds_fix plan --write` also uses.
     for tier in tiers.TIERS:
         tiers.write(tier, tmp_path, relative=True)
     assert sorted(p.name for p in (ROOT / "configs").iterdir()) == sorted(p.name for p in tmp_path.iterdir())

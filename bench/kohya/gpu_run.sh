@@ -1,9 +1,9 @@
 #!/bin/bash
-# kohya's train_db.py (newest 48d368fa, seed era bf691aef) under the shipped tiers and its train_network.py (LoRA),
+# kohya's train_db.py (newest 48d368fa, January 2023 bf691aef) under the shipped tiers and its train_network.py (LoRA),
 # unmodified, the card capped at 6 GiB: docs/gpu.md, run 7. Run from the checkout on the lent H200, detached
 # (setsid); logs and reports in $L, $L/done at the end. Needs (docs/gpu.md lists them): .whl/ (DeepSpeed and
-# kohya's pins as wheels), .debs/ (libaio), .kohya/newest and .kohya/seed (`git archive` of the two commits:
-# train_db.py, train_network.py, library/, networks/), .kohya/seedwhl/ (the seed era's diffusers, transformers...).
+# kohya's pins as wheels), .debs/ (libaio), .kohya/newest and .kohya/jan2023 (`git archive` of the two commits:
+# train_db.py, train_network.py, library/, networks/), .kohya/jan2023whl/ (the January 2023 scripts' diffusers, transformers...).
 # CPU rehearsal (EXTRA_PATH: a torchvision stand-in where none loads): EXTRA_PATH=/tmp/tvstub MP=bf16 RES=64 TINY=--tiny
 #   CAP= SETUP=0 IN=/tmp/intiny L=/tmp/kvcpu OUTD=/tmp/kvcpu_out RUNS="A R" STEPS=3 bash bench/kohya/gpu_run.sh
 set -u
@@ -21,7 +21,7 @@ if [ "$SETUP" = 1 ]; then
     export CPATH=/tmp/aio/usr/include LIBRARY_PATH=/tmp/aio/usr/lib/x86_64-linux-gnu LD_LIBRARY_PATH=/tmp/aio/usr/lib/x86_64-linux-gnu
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade .whl/*.whl || note "wheels failed"
     python3 -m pip install -q --no-index --no-deps --no-build-isolation . || note "package install failed"
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/seedsite "$K"/seedwhl/*.whl || note "seed wheels failed"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/jan2023site "$K"/jan2023whl/*.whl || note "January 2023 wheels failed"
     SITE=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     cp "$KIT/kohya_val.py" "$SITE/" && echo "import kohya_val" >"$SITE/zz_kohya_val.pth"
     note "setup done: $(python3 -c 'import torch, accelerate, deepspeed, transformers, diffusers; print(torch.__version__, accelerate.__version__, deepspeed.__version__, transformers.__version__, diffusers.__version__)')"
@@ -31,11 +31,11 @@ fi
 [ -d "$IN/model" ] || { t=$(date +%s); python3 "$KIT/make_inputs.py" "$IN" $TINY --resolution "$RES" >"$L/inputs.log" 2>&1; note "inputs rc=$? $(( $(date +%s) - t ))s"; }
 
 LAUNCH="accelerate launch"; command -v accelerate >/dev/null || LAUNCH="python3 -m accelerate.commands.launch"
-# kohya NAME YAML newest|seed TIMEOUT ARGS...: one launch, its log, report (losses, peaks) and wall time
+# kohya NAME YAML newest|jan2023 TIMEOUT ARGS...: one launch, its log, report (losses, peaks) and wall time
 kohya() {
     local name=$1 yaml=$2 which=$3 limit=$4; shift 4
     local extra=() envs=(ACCEL_DS_FIX=1 KOHYA_VAL_OUT="$L/$name.json" KOHYA_VAL_CAP_GIB="$CAP")
-    if [ "$which" = seed ]; then envs+=(PYTHONPATH=/tmp/seedsite${EXTRA_PATH:+:$EXTRA_PATH} KOHYA_VAL_SEED_SHIM=1)
+    if [ "$which" = jan2023 ]; then envs+=(PYTHONPATH=/tmp/jan2023site${EXTRA_PATH:+:$EXTRA_PATH} KOHYA_VAL_JAN2023_SHIM=1)
     else extra=(--tokenizer_cache_dir "$IN/tokenizer_cache"); [ -n "${EXTRA_PATH:-}" ] && envs+=(PYTHONPATH="$EXTRA_PATH"); fi
     rm -rf /var/tmp/accel_ds_fix_nvme
     local t=$(date +%s)
@@ -66,9 +66,9 @@ for run in $RUNS; do
         A2)  kohya A2 accelerate_zero3_nvme.yaml newest 600 --max_train_steps $STEPS ;;  # A again, no saves: run-to-run spread
         B)   kohya B accelerate_zero3_offload.yaml newest 500 --max_train_steps $STEPS ;;
         Z)   kohya Z accelerate_zero2_offload.yaml newest 400 --max_train_steps $STEPS ;;
-        S3N) kohya S3N accelerate_zero3_nvme.yaml seed 700 --max_train_steps $STEPS ;;
-        S3O) kohya S3O accelerate_zero3_offload.yaml seed 500 --max_train_steps $STEPS ;;
-        S2O) kohya S2O accelerate_zero2_offload.yaml seed 400 --max_train_steps $STEPS ;;
+        S3N) kohya S3N accelerate_zero3_nvme.yaml jan2023 700 --max_train_steps $STEPS ;;
+        S3O) kohya S3O accelerate_zero3_offload.yaml jan2023 500 --max_train_steps $STEPS ;;
+        S2O) kohya S2O accelerate_zero2_offload.yaml jan2023 400 --max_train_steps $STEPS ;;
         # the low-memory alternative: LoRA rank 8 on UNet + text encoder, plain accelerate (no DeepSpeed)
         L)   SCRIPT=train_network.py SAVE_AS=safetensors kohya L none newest 400 --max_train_steps $((STEPS * 2)) --network_module networks.lora \
                  --network_dim 8 --network_alpha 8 --learning_rate 1e-4 ;;

@@ -4,7 +4,7 @@
   only the training process is capped, as a 6 GB card would be.
 - KOHYA_VAL_OUT: a JSON file written at exit: every loss passed to accelerator.backward, the time between backward
   calls, peak GPU allocated/reserved and the process's peak RSS.
-- KOHYA_VAL_SEED_SHIM=1: the two accelerate behaviours kohya's seed-era script (written for accelerate 0.15) needs
+- KOHYA_VAL_JAN2023_SHIM=1: the two accelerate behaviours kohya's January 2023 train_db.py (bf691aef, written for accelerate 0.15) needs
   from accelerate >= 1.7: Accelerator(logging_dir=...) and unwrap_model("dummy", True) without an error.
 """
 import atexit
@@ -37,7 +37,7 @@ def _patch(accelerate):
     init, backward, unwrap = cls.__init__, cls.backward, cls.unwrap_model
 
     def __init__(self, *args, **kwargs):
-        if os.environ.get("KOHYA_VAL_SEED_SHIM") == "1" and "logging_dir" in kwargs:
+        if os.environ.get("KOHYA_VAL_JAN2023_SHIM") == "1" and "logging_dir" in kwargs:
             kwargs["project_dir"] = kwargs.pop("logging_dir")
         init(self, *args, **kwargs)
         cap = os.environ.get("KOHYA_VAL_CAP_GIB")
@@ -52,7 +52,7 @@ def _patch(accelerate):
         return backward(self, loss, *args, **kwargs)
 
     def unwrap_model(self, model, *args, **kwargs):
-        if isinstance(model, str) and os.environ.get("KOHYA_VAL_SEED_SHIM") == "1":
+        if isinstance(model, str) and os.environ.get("KOHYA_VAL_JAN2023_SHIM") == "1":
             return model
         return unwrap(self, model, *args, **kwargs)
 

@@ -1,6 +1,6 @@
 """Random SD1.5-layout inputs for kohya's train_db.py, offline: a diffusers pipeline folder (UNet, CLIP-L text
 encoder, VAE, scheduler), a CLIP tokenizer with a byte-level vocabulary (kohya's --tokenizer_cache_dir layout and
-the seed era's relative "openai/clip-vit-large-patch14" folder), and N random 512 px images in "1_sks dog".
+the January 2023 scripts' relative "openai/clip-vit-large-patch14" folder), and N random 512 px images in "1_sks dog".
 
 python make_inputs.py OUT [--tiny] [--images N]
 """

@@ -7,7 +7,8 @@ import errno
 import mmap
 import os
 
-from . import libaio, memory, ops
+from ..memory import model as memory_model
+from ..ops import libaio, builds
 
 GIB = 1024**3
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")
@@ -61,7 +62,7 @@ def async_io_problem(load=False):
     if builder_class is None or getattr(builder_class, "NAME", None) in (None, "deepspeed_not_implemented"):
         return f"DeepSpeed's {accelerator.device_name()} accelerator has no async_io op"
     builder = builder_class()
-    if not ops.is_built(builder.NAME):
+    if not builds.is_built(builder.NAME):
         if not builder.has_function("io_submit", ("aio",)):
             return f"libaio is missing, and DeepSpeed's async_io op cannot be built without it: {libaio.INSTALL_HINT}"
         if not builder.is_compatible(verbose=False):
@@ -121,7 +122,7 @@ def locked_memory_problem(config):
     if os.geteuid() == 0:  # root may lock any amount (CAP_IPC_LOCK)
         return None
     limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-    settings = memory.Settings.from_config(config)
+    settings = memory_model.Settings.from_config(config)
     need = settings.swap_buffers * settings.sub_group * 4 + 64 * 1024**2  # swap buffers + I/O bounce buffers
     if limit == resource.RLIM_INFINITY or limit >= need:
         return None

@@ -1,6 +1,6 @@
 """accelerate 0.15 - 0.17 and the shipped tiers: what later releases do and these leave undone.
 
-kohya's seed-era scripts pin accelerate 0.15. With the shipped DeepSpeed configs it stops three times before
+kohya's January 2023 scripts (bf691aef) pin accelerate 0.15. With the shipped DeepSpeed configs it stops three times before
 training: it refuses `"gradient_accumulation_steps": "auto"` in a config file ("cannot be set to 'auto'"), cannot
 fill `"fp16"`/`"bf16"` `"enabled": "auto"` ("`fp16.enabled` not found in kwargs") - 0.16 fills both - and under
 optimizer offload hands the script's torch AdamW to DeepSpeed, which refuses a client optimizer there ("ZeRO-Offload
@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from . import versions
+from .. import versions
 
 FILLS_AUTO_VALUES = "0.16.0"
 SWAPS_IN_CPU_ADAM = "0.18.0"

@@ -7,7 +7,7 @@ import atexit
 
 import torch
 
-from .lookup import merged_engine
+from ..lookup import merged_engine
 
 _registered = False
 

@@ -8,7 +8,9 @@ import site
 import subprocess
 import sys
 
-from . import __version__, ops, pth_file, threads, versions
+from .. import __version__, pth_file, versions
+from ..ops import builds
+from ..patches import cpu_threads
 
 # What a fresh interpreter with this environment says once it has imported accelerate.
 _PROBE = "import accelerate, sys; m = sys.modules.get('accel_ds_fix'); print(bool(m and m.is_installed()))"
@@ -60,8 +62,8 @@ def _cuda_lines():
 
 def _cpu_adam_line():
     try:
-        built = ops.is_built("cpu_adam")
-        where = ops.location("cpu_adam")
+        built = builds.is_built("cpu_adam")
+        where = builds.location("cpu_adam")
     except Exception as exc:  # DeepSpeed or torch missing or broken: say so, the report goes on
         return f"unknown ({exc!r})"
     if built:
@@ -72,7 +74,8 @@ def _cpu_adam_line():
 
 def _tier_lines():
     """Whether each shipped tier has what it needs on this machine (memory aside: `plan` judges that)."""
-    from . import nvme_prerequisites, tiers
+    from ..memory import tiers
+    from ..nvme import prerequisites as nvme_prerequisites
 
     out = []
     for tier in tiers.TIERS:
@@ -87,7 +90,7 @@ def _tier_lines():
 
 
 def lines():
-    out = [f"accel_ds_fix {__version__} ({os.path.dirname(os.path.abspath(__file__))})", "", "versions:"]
+    out = [f"accel_ds_fix {__version__} ({os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})", "", "versions:"]
     for package, (low, high) in versions.SUPPORTED.items():
         found = versions.installed_version(package)
         verdict = "not installed" if found is None else (versions.untested(package, found) and "UNTESTED" or "tested")
@@ -107,7 +110,7 @@ def lines():
     out += [f"  {line}" for line in _tier_lines()]
     import torch
 
-    cores = threads.cores_per_process()
+    cores = cpu_threads.cores_per_process()
     out.append(
         f"CPU threads:       {torch.get_num_threads()} torch threads, {cores} cores for this process, "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} (torchrun sets it to 1 for several "

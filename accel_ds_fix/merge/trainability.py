@@ -6,9 +6,9 @@ checkpoint then records the frozen parameters of save time but looks up those of
 import contextlib
 import logging
 
-from . import notices
-from .gather import full_numel
-from .lookup import merged_engine
+from .. import notices
+from ..gather import full_numel
+from ..lookup import merged_engine
 
 
 def _optimized(param):

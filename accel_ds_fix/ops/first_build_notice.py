@@ -5,7 +5,8 @@ import logging
 import os
 import time
 
-from . import libaio, notices, ops
+from . import libaio, builds
+from .. import notices
 
 
 def announce_first_build(wrapped, instance, args, kwargs):
@@ -13,15 +14,15 @@ def announce_first_build(wrapped, instance, args, kwargs):
     name = getattr(instance, "name", None)
     if name == "async_io":
         libaio.activate()  # before DeepSpeed's compatibility check, the compile and the load
-    if name and not ops.is_built(name) and ops.clear_stale_lock(name):
+    if name and not builds.is_built(name) and builds.clear_stale_lock(name):
         notices.say(f"removed the lock of a {name} build that was killed halfway: building it again.",
                     level=logging.WARNING)
-    announce = (bool(name) and os.environ.get("LOCAL_RANK", "0") == "0" and not ops.building_ahead()
-                and not ops.is_built(name))
+    announce = (bool(name) and os.environ.get("LOCAL_RANK", "0") == "0" and not builds.building_ahead()
+                and not builds.is_built(name))
     if announce:
         notices.say(
             f"DeepSpeed is compiling its {name} op for the first time: this takes a few minutes, once; later "
-            f"runs load it from {ops.build_directory(name)}.",
+            f"runs load it from {builds.build_directory(name)}.",
             level=logging.WARNING,
         )
     started = time.monotonic()

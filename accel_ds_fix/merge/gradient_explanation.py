@@ -9,7 +9,7 @@ import sys
 import traceback
 
 _stage = None
-_OWN = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the whole package
 
 GRAD_NOTE = (
     "accel_ds_fix: the failing code reads a parameter's .grad, which is None here: under accelerate + "

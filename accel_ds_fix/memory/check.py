@@ -11,13 +11,15 @@ import os
 
 import torch
 
-from . import memory, notices, nvme_prerequisites
-from .errors import MemoryPlanError, PrerequisiteError
-from .gather import full_numel
-from .merged import hidden_size_of
+from . import model as memory_model
+from .. import notices
+from ..nvme import prerequisites as nvme_prerequisites
+from ..errors import MemoryPlanError, PrerequisiteError
+from ..gather import full_numel
+from ..merge.merged_module import hidden_size_of
 
 ENV = "ACCEL_DS_FIX_MEMORY_CHECK"
-GIB = memory.GIB
+GIB = memory_model.GIB
 
 
 def _proc_bytes(path, key):
@@ -53,7 +55,7 @@ def workload_of(models, optimizer=None):
         groups = tuple(
             g for g in (sum(full_numel(p) for p in group["params"] if p.requires_grad) for group in optimizer.param_groups) if g
         )
-    return memory.Workload(
+    return memory_model.Workload(
         params=total,
         trainable=sum(full_numel(p) for p in trainable),
         largest_trainable=max((full_numel(p) for p in trainable), default=0),
@@ -87,7 +89,7 @@ class Capacity:
         deepspeed = prediction.host  # predicted with a zero baseline
         if self.device == "cpu":
             return self.rss - self.on_host + deepspeed
-        return max(self.rss - self.on_host, memory.HOST_BASELINE["cuda"]) + max(self.on_host, deepspeed)
+        return max(self.rss - self.on_host, memory_model.HOST_BASELINE["cuda"]) + max(self.on_host, deepspeed)
 
     def shortfalls(self, prediction):
         problems = []
@@ -107,9 +109,9 @@ def _fitting_tiers(work, accelerator, capacity, hidden):
 
     fitting = []
     for tier in TIERS:
-        settings = memory.Settings.from_config(tier.deepspeed_config(), accelerator.mixed_precision,
+        settings = memory_model.Settings.from_config(tier.deepspeed_config(), accelerator.mixed_precision,
                                                accelerator.num_processes, hidden)
-        if not capacity.shortfalls(memory.predict(work, settings, capacity.device, host_baseline=0)):
+        if not capacity.shortfalls(memory_model.predict(work, settings, capacity.device, host_baseline=0)):
             fitting.append(tier)
     return fitting
 
@@ -157,11 +159,11 @@ def check_before_allocating(plan, config, accelerator):
     optimizer = plan.optimizers[0] if plan.optimizers else None
     work = workload_of(plan.models, optimizer)
     hidden = max(hidden_size_of(m) for m in plan.models)
-    settings = memory.Settings.from_config(config, accelerator.mixed_precision, accelerator.num_processes, hidden)
-    prediction = memory.predict(work, settings, accelerator.device.type, host_baseline=0)
+    settings = memory_model.Settings.from_config(config, accelerator.mixed_precision, accelerator.num_processes, hidden)
+    prediction = memory_model.predict(work, settings, accelerator.device.type, host_baseline=0)
     capacity = Capacity(accelerator, plan.models)
     room, room_warnings = nvme_prerequisites.room_problems(config, prediction.nvme,
-                                                           memory.checkpoint_bytes(work, settings))
+                                                           memory_model.checkpoint_bytes(work, settings))
     for warning in room_warnings:
         notices.say(warning, level=logging.WARNING)
     problems = capacity.shortfalls(prediction) + room

@@ -3,7 +3,7 @@
 accelerate >= 1.0 keeps a HfDeepSpeedConfig alive under every ZeRO-3 config, whatever zero3_init_flag says
 (accelerate 0.x did so only with the flag on), so transformers builds each model under zero.Init. transformers
 < 4.51 then refuses low_cpu_mem_usage=True ("DeepSpeed Zero-3 is not compatible with `low_cpu_mem_usage=True`"),
-and diffusers' pipeline loader passes it for every text encoder: seed-era scripts (kohya's train_db.py with
+and diffusers' pipeline loader passes it for every text encoder: kohya's January 2023 scripts (bf691aef: train_db.py with
 diffusers 0.25 and transformers 4.48) stopped while loading the model under the shipped ZeRO-3 tiers. transformers
 4.51 and newer drop the argument themselves, since zero.Init already builds the model a shard at a time; this
 does the same for the older releases. A device_map is still refused: it is a real conflict with ZeRO-3.
@@ -11,7 +11,7 @@ does the same for the older releases. A device_map is still refused: it is a rea
 
 import logging
 
-from . import notices
+from .. import notices
 
 
 def _zero3_enabled():

@@ -7,7 +7,7 @@ models at all. Scripts written for the general contract (diffusers: one ``weight
 then fail. With merged models, the hooks get each model and one ``weights`` entry per model; hooks are
 registered untouched, and with nothing merged they run exactly as without this package.
 
-A save of merged models is crash-safe (atomic_save.py): it is written beside the folder and moved into place when
+A save of merged models is crash-safe (crash_safe.py): it is written beside the folder and moved into place when
 whole, manifest last; load_state refuses a folder that is not exactly what a save wrote.
 """
 
@@ -18,10 +18,11 @@ import re
 import shutil
 import sys
 
-from . import atomic_save, manifest, nvme_resume, trainability
-from .gather import copied_by_hook, shards
-from .lookup import merged_engine
-from .proxy import unwrap
+from . import crash_safe, manifest, nvme_resume
+from ..merge import trainability
+from ..gather import copied_by_hook, shards
+from ..lookup import merged_engine
+from ..merge.proxy import unwrap
 
 
 class ModelWeights(collections.abc.Mapping):
@@ -144,14 +145,14 @@ def save_state(wrapped, instance, args, kwargs):
     rest = {k: v for k, v in kwargs.items() if k != "output_dir"}
 
     def save_into(folder):
-        # The save goes to a temporary folder beside the target (atomic_save.py), hooks included.
+        # The save goes to a temporary folder beside the target (crash_safe.py), hooks included.
         with _hooks_replaced(instance, "_save_model_state_pre_hook", per_model), _automatic_naming_off(instance):
             return wrapped(folder, *args[1:], **rest)
 
     def write_manifest(folder, files, kept):
         manifest.write(folder, engine.module, files, kept)
 
-    location = atomic_save.save(instance, target, save_into, write_manifest)
+    location = crash_safe.save(instance, target, save_into, write_manifest)
     return type(location)(target) if isinstance(location, (str, os.PathLike)) else location
 
 
@@ -165,7 +166,7 @@ def _output_dir(accelerator, args, kwargs):
         return os.path.normpath(os.path.expanduser(os.fspath(directory))) if directory is not None else None
     root = os.path.join(accelerator.project_dir, "checkpoints")
     os.makedirs(root, exist_ok=True)
-    folders = [os.path.join(root, f) for f in os.listdir(root) if not atomic_save.is_temporary(f)]
+    folders = [os.path.join(root, f) for f in os.listdir(root) if not crash_safe.is_temporary(f)]
     limit = config.total_limit
     if limit is not None and len(folders) + 1 > limit and accelerator.is_main_process:
         folders.sort(key=lambda folder: int(re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", folder)[0]))
@@ -209,7 +210,7 @@ def load_state(wrapped, instance, args, kwargs):
     engine = merged_engine(instance)
     directory = _input_dir(instance, args, kwargs) if engine is not None else None
     if directory is not None:
-        atomic_save.check_whole(directory)  # a partial, mixed or altered folder: refused before anything loads
+        crash_safe.check_whole(directory)  # a partial, mixed or altered folder: refused before anything loads
     if directory is None or not os.path.isdir(directory):
         return wrapped(*args, **kwargs)  # accelerate's own handling, and its own error for a missing folder
     saved = manifest.check(directory, engine.module)

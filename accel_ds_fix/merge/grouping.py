@@ -2,8 +2,8 @@
 
 import torch
 
-from .errors import MergeError
-from .gather import full_numel
+from ..errors import MergeError
+from ..gather import full_numel
 from .naming import model_names
 from .proxy import is_proxy
 

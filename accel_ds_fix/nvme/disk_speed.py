@@ -5,14 +5,14 @@ step time that follows from the bytes each optimizer step moves.
 A ZeRO-3 step with the optimizer on NVMe swaps each sub group in (fp32 weights and Adam's two states: 12 bytes
 a trained parameter), steps it on the CPU and swaps it out again, one sub group after another, so the disk's
 time adds to the rest of the step. DeepSpeed alone also writes and reads the fp32 gradients (4 bytes each way);
-the fix keeps those in host memory (nvme_gradients.py).
+the fix keeps those in host memory (host_gradients.py).
 """
 
 import dataclasses
 import os
 import time
 
-from . import nvme_gradients
+from . import host_gradients
 
 GB = 1e9
 STATE_BYTES = 12  # fp32 master weight + exp_avg + exp_avg_sq, per trained parameter, read and written each step
@@ -59,7 +59,7 @@ def measure(folder, aio=None, file_bytes=200 * 1024**2, files=3):
     states, as the tier swaps them), through DeepSpeed's async I/O with the tier's settings."""
     import torch
 
-    from . import libaio
+    from ..ops import libaio
 
     libaio.activate()
     handle = _handle(aio or {})
@@ -114,7 +114,7 @@ def predict(trainable, speed, accumulation=1, compute_seconds=DEFAULT_COMPUTE_SE
     """One optimizer step (``accumulation`` batches) of the NVMe tier training ``trainable`` parameters. The time
     outside the disk is counted once per batch: an upper bound, since Adam runs once per step."""
     if gradients_in_ram is None:
-        gradients_in_ram = nvme_gradients.enabled()
+        gradients_in_ram = host_gradients.enabled()
     per_param = STATE_BYTES + (0 if gradients_in_ram else GRADIENT_BYTES)
     moved = per_param * trainable
     return StepTime(accumulation=accumulation, disk_seconds=moved / speed.read + moved / speed.write,

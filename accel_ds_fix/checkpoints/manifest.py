@@ -5,11 +5,11 @@ import json
 import os
 import re
 
-from .errors import MergeError
-from .trainability import frozen_names
+from ..errors import MergeError
+from ..merge.trainability import frozen_names
 
 FILENAME = "accel_ds_fix.json"
-FORMAT = 3  # 2 added "frozen": the parameters DeepSpeed stored as frozen; 3 "files" (atomic_save.py) and "kept"
+FORMAT = 3  # 2 added "frozen": the parameters DeepSpeed stored as frozen; 3 "files" (checkpoints/crash_safe.py) and "kept"
 
 
 def _shape(param):
@@ -91,7 +91,7 @@ def check(directory, merged):
 def automatic_checkpoint(project_dir):
     """The folder accelerate's load_state(None) picks with automatic checkpoint naming: the highest number."""
     root = os.path.join(project_dir, "checkpoints")
-    # a save's temporary folders (atomic_save.py) are no checkpoints
+    # a save's temporary folders (checkpoints/crash_safe.py) are no checkpoints
     folders = [os.path.join(root, f) for f in os.listdir(root) if not f.startswith(".accel_ds_fix-")]
     folders.sort(key=lambda folder: [int(x) for x in re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", folder)][:1])
     return folders[-1] if folders else None

@@ -9,9 +9,12 @@ import json
 import os
 import sys
 
-from . import libaio, memory, nvme_speed, ops, planner, report, tiers
+from . import report
+from ..memory import model as memory_model, advice, tiers
+from ..nvme import disk_speed
+from ..ops import libaio, builds
 
-GIB = memory.GIB
+GIB = memory_model.GIB
 
 
 def _plan_parser(sub):
@@ -37,25 +40,25 @@ def _plan_parser(sub):
                         "and the tier's time a step predicted")
     p.add_argument("--steps", type=int, help="optimizer steps of the run (kohya's --max_train_steps): hours and "
                                              "bytes written to the SSD for the NVMe tier")
-    p.add_argument("--compute-seconds", type=float, default=nvme_speed.DEFAULT_COMPUTE_SECONDS,
+    p.add_argument("--compute-seconds", type=float, default=disk_speed.DEFAULT_COMPUTE_SECONDS,
                    help="seconds of a training step outside the disk (forward, backward, CPU Adam; default "
-                        f"{nvme_speed.DEFAULT_COMPUTE_SECONDS}: SD1.5 at 512 px on a datacenter GPU with a 16-core host; a "
+                        f"{disk_speed.DEFAULT_COMPUTE_SECONDS}: SD1.5 at 512 px on a datacenter GPU with a 16-core host; a "
                         "laptop GPU is slower)")
 
 
 def _plan(args):
     if args.model:
-        counted = planner.count_model_dir(args.model)
+        counted = advice.count_model_dir(args.model)
         params = sum(counted.values())
         source = ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in counted.items())
     else:
-        params, source = planner.parse_count(args.params), "--params"
-    trainable = planner.parse_count(args.trainable) if args.trainable else params
-    work = memory.Workload(params=params, trainable=trainable, largest_trainable=min(trainable, memory.SD15_LARGEST_TENSOR),
-                           activations=planner.parse_bytes(args.activations))
-    machine = planner.Machine.given(
-        planner.parse_bytes(args.gpu_memory) if args.gpu_memory else None,
-        planner.parse_bytes(args.host_memory) if args.host_memory else None,
+        params, source = advice.parse_count(args.params), "--params"
+    trainable = advice.parse_count(args.trainable) if args.trainable else params
+    work = memory_model.Workload(params=params, trainable=trainable, largest_trainable=min(trainable, memory_model.SD15_LARGEST_TENSOR),
+                           activations=advice.parse_bytes(args.activations))
+    machine = advice.Machine.given(
+        advice.parse_bytes(args.gpu_memory) if args.gpu_memory else None,
+        advice.parse_bytes(args.host_memory) if args.host_memory else None,
     )
     if not machine.gpu or not machine.host:
         missing = " and ".join(n for n, v in (("--gpu-memory", machine.gpu), ("--host-memory", machine.host)) if not v)
@@ -64,7 +67,7 @@ def _plan(args):
     nvme_path = args.nvme_path or tiers.DEFAULT_NVME_PATH
     # DeepSpeed, imported for the NVMe tier's checks, logs to stdout: keep stdout for the plan (and its JSON).
     with contextlib.redirect_stdout(sys.stderr):
-        rows, recommended = planner.plan(work, machine, args.mixed_precision, args.num_processes, nvme_path)
+        rows, recommended = advice.plan(work, machine, args.mixed_precision, args.num_processes, nvme_path)
         timing = _nvme_timing(args, work, rows) if args.nvme_path else None
     chosen = args.tier or recommended
     written = _write(chosen, args.write, nvme_path) if args.write and chosen else None
@@ -102,11 +105,11 @@ def _nvme_timing(args, work, rows):
     if not row["can_run_here"]:
         return {"measured": False, "why_not": row["cannot_run_here"]}
     aio = tiers.BY_NAME["zero3-nvme"].deepspeed_config(args.nvme_path).get("aio", {})
-    speed = nvme_speed.measure(args.nvme_path, aio)
+    speed = disk_speed.measure(args.nvme_path, aio)
     return {"measured": True, "folder": args.nvme_path, "read_gb_per_s": round(speed.read / 1e9, 3),
             "write_gb_per_s": round(speed.write / 1e9, 3), "disk": speed.describe(),
             "compute_seconds": args.compute_seconds, "steps": args.steps,
-            "per_accumulation": planner.nvme_step_times(work, speed, args.compute_seconds, args.steps)}
+            "per_accumulation": advice.nvme_step_times(work, speed, args.compute_seconds, args.steps)}
 
 
 def _print_timing(timing, args):
@@ -132,9 +135,9 @@ def _print_plan(params, trainable, source, machine, args, rows, recommended):
     print(f"{params / 1e6:.1f}M parameters ({source}), {trainable / 1e6:.1f}M trainable, {args.mixed_precision}, "
           f"{args.num_processes} process(es), activations {args.activations}")
     print(f"GPU  {machine.gpu / GIB:.1f} GiB: {machine.gpu_usable / GIB:.1f} usable "
-          f"({planner.GPU_RESERVE / GIB:.1f} kept for the CUDA context and display)")
+          f"({advice.GPU_RESERVE / GIB:.1f} kept for the CUDA context and display)")
     print(f"host {machine.host / GIB:.1f} GiB: {machine.host_usable / GIB:.1f} usable "
-          f"({planner.HOST_RESERVE / GIB:.1f} kept for the system and desktop)\n")
+          f"({advice.HOST_RESERVE / GIB:.1f} kept for the system and desktop)\n")
     print(f"{'tier':<15}{'GPU reserved':>13}{'host peak':>11}{'NVMe':>9}  fits")
     for r in rows:
         verdict = "yes" if r["fits"] else "no: " + " and ".join(
@@ -193,7 +196,7 @@ def main(argv=None):
     if args.command == "get-libaio":
         return _get_libaio(args.folder)
     if args.command == "build-ops":
-        return 0 if ops.build(report=lambda line: print(line, flush=True)) else 1
+        return 0 if builds.build(report=lambda line: print(line, flush=True)) else 1
     if args.command == "plan":
         try:
             return _plan(args)

@@ -17,7 +17,7 @@ weights and Adam states, in and out), with the same values in the step, and no h
 import logging
 import os
 
-from . import notices, versions
+from .. import notices, versions
 
 ENV = "ACCEL_DS_FIX_NVME_GRADIENTS"
 # The name-mangled attribute of DeepSpeedZeroOptimizer_Stage3 that maps a parameter's ds_id to its gradient

@@ -3,8 +3,8 @@ clips every step to the config's gradient_clipping. Said once, so a script's max
 
 import logging
 
-from . import notices
-from .lookup import deepspeed_config, merged_engine
+from .. import notices
+from ..lookup import deepspeed_config, merged_engine
 
 
 def clip_grad_norm_(wrapped, instance, args, kwargs):

@@ -9,10 +9,11 @@ import os
 import re
 import struct
 
-from . import memory, nvme_prerequisites, nvme_speed
+from . import model as memory_model
+from ..nvme import prerequisites as nvme_prerequisites, disk_speed
 from .tiers import DEFAULT_NVME_PATH, TIERS
 
-GIB = memory.GIB
+GIB = memory_model.GIB
 # Kept free of the training: the CUDA context and the display on the card, the system and desktop in RAM
 # (a 15 GB laptop leaves about 12 GB to the training).
 GPU_RESERVE = int(0.5 * GIB)
@@ -107,7 +108,7 @@ def _detected_gpu():
 
 
 def _detected_host():
-    from .memory_check import _meminfo
+    from .check import _meminfo
 
     return _meminfo("MemTotal")
 
@@ -124,11 +125,11 @@ def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_
     rows = []
     for tier in TIERS:
         config = tier.deepspeed_config(nvme_path)
-        settings = memory.Settings.from_config(config, mixed_precision, world_size)
-        p = memory.predict(work, settings, "cuda")
+        settings = memory_model.Settings.from_config(config, mixed_precision, world_size)
+        p = memory_model.predict(work, settings, "cuda")
         fits_gpu = bool(machine.gpu_usable) and p.gpu_reserved <= machine.gpu_usable
         fits_host = bool(machine.host_usable) and p.host <= machine.host_usable
-        checkpoint = memory.checkpoint_bytes(work, settings)
+        checkpoint = memory_model.checkpoint_bytes(work, settings)
         cannot, notes = _can_run_here(config, p, checkpoint)
         rows.append({
             "tier": tier.name,
@@ -154,7 +155,7 @@ def nvme_step_times(work, speed, compute_seconds, steps=None, accumulations=(1, 
     """The NVMe tier's predicted time per optimizer step with gradient accumulation 1, 2, 4 on a measured disk."""
     rows = []
     for k in accumulations:
-        t = nvme_speed.predict(work.trainable, speed, k, compute_seconds)
+        t = disk_speed.predict(work.trainable, speed, k, compute_seconds)
         rows.append({"gradient_accumulation": k, "seconds_per_step": round(t.seconds, 1),
                      "disk_seconds": round(t.disk_seconds, 1), "compute_seconds": round(t.compute_seconds, 1),
                      "hours": round(steps * t.seconds / 3600, 1) if steps else None,

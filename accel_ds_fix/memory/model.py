@@ -205,7 +205,7 @@ def predict(work, s, device="cuda", host_baseline=None):
     else:
         host_peak = baseline + max(loaded, deepspeed_host)
         gpu_alloc = max(build, train)
-        # ZeRO-1/2: reserved = allocated with the fix's release of ZeRO's freed blocks (zero_memory.py);
+        # ZeRO-1/2: reserved = allocated with the fix's release of ZeRO's freed blocks (patches/gpu_block_release.py);
         # ZeRO-3 gathers and frees weights all the time, and the caching allocator keeps 10-35% more (measured).
         if s.stage < 3:
             gpu_reserved = gpu_alloc

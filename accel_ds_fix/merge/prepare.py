@@ -1,16 +1,19 @@
 """Accelerator.prepare: the models of one call become one module for one DeepSpeed engine, and each model
 comes back as a proxy. With one model, or without DeepSpeed, accelerate runs untouched (on accelerate 0.15 - 0.17
-the DeepSpeed config and optimizer are first brought to what later releases make of them: old_accelerate.py)."""
+the DeepSpeed config and optimizer are first brought to what later releases make of them: patches/old_accelerate.py)."""
 
 import logging
 
 import torch
 
-from . import diagnostics, memory_check, notices, old_accelerate, threads, trainability, zero3_dtypes, zero_memory
-from .gather import add_full_weight_hooks
-from .lookup import deepspeed_config, uses_deepspeed
-from .merged import MergedModels
-from .plan import MergePlan
+from . import gradient_explanation, trainability
+from .. import notices
+from ..memory import check as memory_check
+from ..patches import old_accelerate, cpu_threads, zero3_dtypes, gpu_block_release
+from ..gather import add_full_weight_hooks
+from ..lookup import deepspeed_config, uses_deepspeed
+from .merged_module import MergedModels
+from .grouping import MergePlan
 from .proxy import ModelProxy
 
 
@@ -55,7 +58,7 @@ def prepare(wrapped, instance, args, kwargs):
     memory_check.check_before_allocating(plan, config, instance)
     _say_if_half_precision_weights(plan)
     if offload_device not in (None, "none"):
-        threads.warn_if_few_for_cpu_optimizer()
+        cpu_threads.warn_if_few_for_cpu_optimizer()
     description = plan.describe(zero.get("stage"))
     if zero.get("stage") == 3:
         dtype = zero3_dtypes.training_dtype(config, getattr(instance, "mixed_precision", None))
@@ -65,7 +68,7 @@ def prepare(wrapped, instance, args, kwargs):
     # The merged module takes the first model's place; the other models leave the call.
     first = plan.positions[0]
     inner_args = [merged if i == first else obj for i, obj in enumerate(args) if i == first or i not in plan.positions]
-    with zero_memory.building_engine():
+    with gpu_block_release.building_engine():
         result = wrapped(*inner_args, **kwargs)
     result = list(result) if isinstance(result, (tuple, list)) else [result]
     engine = result[first]
@@ -83,9 +86,9 @@ def prepare(wrapped, instance, args, kwargs):
     engine._accel_ds_fix_proxies = proxies
     trainability.remember(engine)
     # What construction freed after the hook's last release (ZeRO-2's partition clone, ZeRO-3's gathers) goes back too.
-    zero_memory.release_cached_blocks(getattr(engine, "device", None))
+    gpu_block_release.release_cached_blocks(getattr(engine, "device", None))
     add_full_weight_hooks(plan.models)  # state_dict() gives full, separate tensors (ZeRO-3: never shape [0])
-    diagnostics.watch(zero.get("stage"))
+    gradient_explanation.watch(zero.get("stage"))
     if instance.is_main_process:
         notices.say(description)
     return tuple(handed_back)

@@ -6,7 +6,7 @@ launcher."""
 import logging
 import os
 
-from . import notices
+from .. import notices
 
 
 def cores_per_process():

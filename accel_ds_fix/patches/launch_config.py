@@ -12,7 +12,7 @@ import json
 import os
 
 from . import old_accelerate
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def _inline_json(value):

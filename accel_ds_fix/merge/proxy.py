@@ -4,8 +4,8 @@ import copy
 
 import wrapt
 
-from .gather import load_full_weights
-from .merged import TARGET_KEYWORD
+from ..gather import load_full_weights
+from .merged_module import TARGET_KEYWORD
 
 
 class ModelProxy(wrapt.BaseObjectProxy):

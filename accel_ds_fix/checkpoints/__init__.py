@@ -1,0 +1,5 @@
+"""Checkpoints of merged engines: save_state / load_state (save_load), their crash safety (crash_safe), the
+manifest written beside DeepSpeed's files, what ZeRO-3 + NVMe resume needs, and per-model weight exports.
+
+May use the top-level modules and merge (the proxy, which parameters DeepSpeed trains).
+"""

@@ -1,0 +1,5 @@
+"""The merge: the wrapper of ``Accelerator.prepare`` that turns the models of one call into one module for one
+DeepSpeed engine (grouping, merged_module, naming), and the proxy handed back in each model's place.
+
+May use the top-level modules, memory.check (run inside prepare() before anything is allocated) and patches.
+"""
