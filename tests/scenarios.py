@@ -113,9 +113,11 @@ def paramless_model(reference):
 
 @scenario
 def two_optimizers(reference):
+    # one engine per optimizer (tests/test_two_optimizers.py); two optimizers over the same parameters cannot be
     acc = accelerator()
     unet, te = TinyUNet(), TinyTextEncoder()
-    acc.prepare(unet, te, torch.optim.AdamW(unet.parameters()), torch.optim.AdamW(te.parameters()), data())
+    both = [*unet.parameters(), *te.parameters()]
+    acc.prepare(unet, te, torch.optim.AdamW(unet.parameters()), torch.optim.AdamW(both), data())
 
 
 @scenario

@@ -6,14 +6,14 @@ import logging
 
 import torch
 
-from . import gradient_explanation, trainability
+from . import engine_per_optimizer, gradient_explanation, trainability
 from .. import notices
 from ..memory import check as memory_check
 from ..patches import old_accelerate, cpu_threads, zero3_dtypes, gpu_block_release
 from ..gather import add_full_weight_hooks
 from ..lookup import deepspeed_config, uses_deepspeed
 from .merged_module import MergedModels
-from .grouping import MergePlan
+from .grouping import MergePlan, _is_optimizer
 from .proxy import ModelProxy
 
 
@@ -50,6 +50,8 @@ def prepare(wrapped, instance, args, kwargs):
     if models:  # one model too: without the op DeepSpeed would stop halfway through building the engine
         optimizer = next((obj for obj in args if isinstance(obj, torch.optim.Optimizer)), None)
         memory_check.check_prerequisites(models, optimizer, config, instance)
+    if models and sum(1 for obj in args if _is_optimizer(obj)) > 1:  # GAN-style: one engine per optimizer
+        return engine_per_optimizer.prepare(wrapped, instance, args, kwargs, config)
     if len(models) < 2:
         return wrapped(*args, **kwargs)
 
