@@ -58,7 +58,8 @@ class Generator(torch.nn.Module):
 class Discriminator(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        # spectral norm, as diffusers' vqgan Discriminator: its fp32 buffers beside DeepSpeed's bf16 weights
+        self.conv = torch.nn.utils.spectral_norm(torch.nn.Conv2d(3, 4, 3, padding=1))
         self.head = torch.nn.Linear(4 * SIZE * SIZE, 1)
 
     def forward(self, x):

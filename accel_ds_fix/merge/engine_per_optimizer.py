@@ -11,7 +11,7 @@ import torch
 from . import backward_routing, gradient_explanation, trainability
 from .. import notices
 from ..gather import add_full_weight_hooks
-from ..patches import cpu_threads, gpu_block_release
+from ..patches import cpu_threads, gpu_block_release, spectral_norm_dtype
 from .merged_module import MergedModels
 from .optimizer_groups import EngineGroups
 from .proxy import ModelProxy
@@ -52,6 +52,7 @@ def prepare(wrapped, instance, args, kwargs, config):
         engine._accel_ds_fix_proxies = proxies
         engine._accel_ds_fix_wrapper = wrapper
         trainability.remember(engine)
+        spectral_norm_dtype.match_buffers_to_weights(engine.module)
         backward_routing.manage(instance, engine, handed_back[group.optimizer_position],
                                 f"{', '.join(group.names)} (engine of {plan.optimizer_label(k)})")
         gpu_block_release.release_cached_blocks(getattr(engine, "device", None))

@@ -9,7 +9,7 @@ import torch
 from . import engine_per_optimizer, gradient_explanation, trainability
 from .. import notices
 from ..memory import check as memory_check
-from ..patches import old_accelerate, cpu_threads, zero3_dtypes, gpu_block_release
+from ..patches import old_accelerate, cpu_threads, spectral_norm_dtype, zero3_dtypes, gpu_block_release
 from ..gather import add_full_weight_hooks
 from ..lookup import deepspeed_config, uses_deepspeed
 from .merged_module import MergedModels
@@ -87,6 +87,7 @@ def prepare(wrapped, instance, args, kwargs):
             handed_back.append(next(remaining))
     engine._accel_ds_fix_proxies = proxies
     trainability.remember(engine)
+    spectral_norm_dtype.match_buffers_to_weights(engine.module)
     # What construction freed after the hook's last release (ZeRO-2's partition clone, ZeRO-3's gathers) goes back too.
     gpu_block_release.release_cached_blocks(getattr(engine, "device", None))
     add_full_weight_hooks(plan.models)  # state_dict() gives full, separate tensors (ZeRO-3: never shape [0])
