@@ -19,6 +19,7 @@ PATTERN:
           {case: the MergeError's text} (lucidrains-style optimizers sharing a module's parameters, a model split
           across optimizers, SANA-Sprint-style frozen backbone inside both models, ZeRO-3, fp16).
 --skip-discr-zero-grad leaves the vqgan loop's discriminator zero_grad() out (refused under DeepSpeed).
+Under `accelerate launch --num_processes 2` every process trains on the same batches.
 --save-at N saves after N batches into --checkpoint; --resume DIR loads it first and trains --steps more batches.
 Prints nothing of interest; results (losses per phase, each engine's step count, final weights) go to --out.
 """
@@ -251,6 +252,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("pattern", choices=["vqgan", "titok", "joint", "refusals"])
     parser.add_argument("--skip-discr-zero-grad", action="store_true")
+    parser.add_argument("--constant-lr", action="store_true")
     parser.add_argument("--deepspeed", action="store_true")
     parser.add_argument("--zero-stage", type=int, default=2)
     parser.add_argument("--offload", default="none")
@@ -264,6 +266,10 @@ def main():
     args = parser.parse_args()
 
     single_process_env()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # `accelerate launch --num_processes 2` on the CPU
+        from accelerate import PartialState
+
+        PartialState(backend="gloo")
     if args.pattern == "refusals":
         return refusals(args)
     kwargs = {"gradient_accumulation_steps": args.accumulation, "mixed_precision": args.precision}
@@ -282,8 +288,10 @@ def main():
     trained_second = second.discriminator if args.pattern == "titok" else second
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     discr_optimizer = torch.optim.AdamW(trained_second.parameters(), lr=2e-2)
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
-    discr_lr_scheduler = torch.optim.lr_scheduler.LambdaLR(discr_optimizer, lambda s: 1.0 / (1 + 2 * s))
+    # accelerate steps a scheduler once per process at each sync step: --constant-lr compares process counts
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 if args.constant_lr else 1 / (1 + s))
+    discr_lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        discr_optimizer, lambda s: 1.0 if args.constant_lr else 1 / (1 + 2 * s))
     hooks = {"save": [], "load": []}
     acc.register_save_state_pre_hook(save_hook_for(acc, hooks["save"]))
     acc.register_load_state_pre_hook(load_hook_for(hooks["load"]))

@@ -60,6 +60,21 @@ def test_vqgan_loop_equals_plain_accelerate(tmp_path, stage, precision, accumula
     assert ds["generator"][0] != ds["generator"][-1]
 
 
+def test_two_processes_train_as_one(tmp_path):
+    # gloo, both processes on the same batches: the averaged gradients are one process's; constant learning rates
+    # (accelerate steps a scheduler once per process)
+    out = tmp_path / "two.json"
+    run([sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
+         "--zero_stage", "2", "--mixed_precision", "no", "--num_machines", "1", PATTERNS, "vqgan", "--deepspeed",
+         "--accumulation", "2", "--constant-lr", "--out", out])
+    two = json.loads(out.read_text())
+    plain, _ = pattern(tmp_path, "vqgan", "--accumulation", "2", "--constant-lr")
+    assert two["engine_steps"] == [2, 2]
+    assert_close(two["generator"], plain["generator"], rtol=1e-6)
+    assert_close(two["discriminator"], plain["discriminator"], rtol=1e-6)
+    assert_weights_close(two["weights"], plain["weights"], atol=1e-6)
+
+
 def test_titok_loop_with_cpu_offload_equals_plain_accelerate(tmp_path):
     plain, _ = pattern(tmp_path, "titok", "--steps", "4")
     ds, _ = pattern(tmp_path, "titok", "--deepspeed", "--zero-stage", "2", "--offload", "cpu", "--steps", "4")
