@@ -20,7 +20,8 @@ PATTERN:
           across optimizers, SANA-Sprint-style frozen backbone inside both models, ZeRO-3, fp16).
 --skip-discr-zero-grad leaves the vqgan loop's discriminator zero_grad() out (refused under DeepSpeed).
 Under `accelerate launch --num_processes 2` every process trains on the same batches.
---save-at N saves after N batches into --checkpoint; --resume DIR loads it first and trains --steps more batches.
+--save-at N saves after N batches into --checkpoint; --resume DIR loads it first and trains --steps more batches;
+--save-model DIR exports the second model with accelerator.save_model at the end.
 Prints nothing of interest; results (losses per phase, each engine's step count, final weights) go to --out.
 """
 
@@ -253,6 +254,7 @@ def main():
     parser.add_argument("pattern", choices=["vqgan", "titok", "joint", "refusals"])
     parser.add_argument("--skip-discr-zero-grad", action="store_true")
     parser.add_argument("--constant-lr", action="store_true")
+    parser.add_argument("--save-model", help="accelerator.save_model(discriminator) into this folder at the end")
     parser.add_argument("--deepspeed", action="store_true")
     parser.add_argument("--zero-stage", type=int, default=2)
     parser.add_argument("--offload", default="none")
@@ -321,6 +323,8 @@ def main():
         name: {k: v.float().tolist() for k, v in acc.get_state_dict(m).items()}
         for name, m in (("generator", model), ("second", second))
     }
+    if args.save_model:  # accelerate's save_model: one model's own weights, as without DeepSpeed
+        acc.save_model(second, args.save_model)
     if acc.is_main_process:
         Path(args.out).write_text(json.dumps(out))
     acc.end_training()

@@ -88,7 +88,8 @@ def test_titok_loop_with_cpu_offload_equals_plain_accelerate(tmp_path):
 def test_vqgan_save_state_and_resume(tmp_path):
     ckpt = tmp_path / "ckpt"
     common = ("vqgan", "--deepspeed", "--zero-stage", "2", "--accumulation", "2")
-    first, _ = pattern(tmp_path, *common, "--steps", "8", "--save-at", "4", "--checkpoint", str(ckpt))
+    first, _ = pattern(tmp_path, *common, "--steps", "8", "--save-at", "4", "--checkpoint", str(ckpt),
+                       "--save-model", str(tmp_path / "exported"))
     resumed, _ = pattern(tmp_path, *common, "--steps", "4", "--resume", str(ckpt))
     # the save hook got both models and two weights entries (it pops two), the load hook both models
     assert first["hooks"]["save"] == [{"classes": ["Generator", "Discriminator"], "weights": 2}]
@@ -100,6 +101,11 @@ def test_vqgan_save_state_and_resume(tmp_path):
     assert resumed["generator"] == first["generator"][2:] and resumed["discriminator"] == first["discriminator"][2:]
     assert resumed["weights"] == first["weights"]
     assert resumed["lr"] == first["lr"]
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "exported" / "model.safetensors"))
+    assert sorted(exported) == sorted(first["weights"]["second"])  # the model's own keys, no engine prefix
+    assert exported["head.weight"].tolist() == first["weights"]["second"]["head.weight"]
 
 
 def test_what_one_engine_per_optimizer_cannot_train_is_refused(tmp_path):

@@ -14,17 +14,18 @@ backward is refused (without DeepSpeed the stale gradients would add to its upda
 """
 
 import contextlib
-import threading
 
 import torch
 
 from ..errors import MergeError
 
-_routed = threading.local()  # the engine whose backward runs now (its output hooks act, the others' do not)
+# The engine whose backward runs now (its output hooks act, the others' do not). A module global, not a
+# thread-local: on a GPU, autograd runs tensor hooks on its own device threads, not the thread that called backward.
+_routed = None
 
 
 def _routed_engine():
-    return getattr(_routed, "engine", None)
+    return _routed
 
 
 def gate_output_hooks(engine):
@@ -73,7 +74,9 @@ def _clear_dropped_on_zero_grad(engine, optimizer):
 
 
 def engines(accelerator):
-    return accelerator.__dict__.get("_accel_ds_fix_engines", [])
+    """The engines of a several-optimizer prepare() that the accelerator still holds (free_memory() drops them)."""
+    held = accelerator.__dict__.get("_accel_ds_fix_engines", [])
+    return [engine for engine in held if any(engine is model for model in accelerator._models)]
 
 
 @contextlib.contextmanager
@@ -169,12 +172,12 @@ def _backward_into(inputs):
 
 @contextlib.contextmanager
 def _routed_to(engine):
-    previous = _routed_engine()
-    _routed.engine = engine
+    global _routed
+    previous, _routed = _routed, engine
     try:
         yield
     finally:
-        _routed.engine = previous
+        _routed = previous
 
 
 def backward(accelerator, loss, **kwargs):
