@@ -21,7 +21,8 @@ PATTERN:
 --skip-discr-zero-grad leaves the vqgan loop's discriminator zero_grad() out (refused under DeepSpeed).
 Under `accelerate launch --num_processes 2` every process trains on the same batches.
 --save-at N saves after N batches into --checkpoint; --resume DIR loads it first and trains --steps more batches;
---save-model DIR exports the second model with accelerator.save_model at the end.
+--save-model DIR exports the second model with accelerator.save_model at the end; --frozen-perceptual passes a
+frozen perceptual network to prepare() as a third model (vqgan's timm network, prepared) for the generator loss.
 Prints nothing of interest; results (losses per phase, each engine's step count, final weights) go to --out.
 """
 
@@ -176,7 +177,10 @@ def vqgan_step(acc, i, pixel_values, model, discriminator, opts, scheds, accumul
     if generator_step:
         with acc.accumulate(model):
             loss = F.mse_loss(pixel_values, fmap.float())
-            perceptual = F.l1_loss(pixel_values.mean(1), fmap.float().mean(1))
+            if out["perceptual"] is not None:  # a frozen network passed to prepare() too (joins the first engine)
+                perceptual = F.mse_loss(out["perceptual"](pixel_values).float(), out["perceptual"](fmap).float())
+            else:
+                perceptual = F.l1_loss(pixel_values.mean(1), fmap.float().mean(1))
             gen_loss = -discriminator(fmap).float().mean()
             last_layer = acc.unwrap_model(model).decoder.weight
             norm_perceptual = grad_layer_wrt_loss(perceptual, last_layer).norm(p=2)
@@ -184,6 +188,8 @@ def vqgan_step(acc, i, pixel_values, model, discriminator, opts, scheds, accumul
             adaptive_weight = (norm_perceptual / norm_gen.clamp(min=1e-8)).clamp(max=1e4)
             loss = loss + commit_loss.float() + perceptual + adaptive_weight * gen_loss
             acc.backward(loss)
+            if acc.sync_gradients:  # the norm each optimizer's parameters had (max_norm too large to clip)
+                out["generator_grad_norm"].append(float(acc.clip_grad_norm_(model.parameters(), 1e9)))
             optimizer.step()
             scheds[0].step()
             out["generator"].append(loss.item())
@@ -196,6 +202,8 @@ def vqgan_step(acc, i, pixel_values, model, discriminator, opts, scheds, accumul
             loss = (F.relu(1 + fake) + F.relu(1 - real)).float().mean()
             loss = loss + gradient_penalty(pixel_values, real)
             acc.backward(loss)
+            if acc.sync_gradients:
+                out["discriminator_grad_norm"].append(float(acc.clip_grad_norm_(discriminator.parameters(), 1e9)))
             discr_optimizer.step()
             scheds[1].step()
             out["discriminator"].append(loss.item())
@@ -254,6 +262,7 @@ def main():
     parser.add_argument("pattern", choices=["vqgan", "titok", "joint", "refusals"])
     parser.add_argument("--skip-discr-zero-grad", action="store_true")
     parser.add_argument("--constant-lr", action="store_true")
+    parser.add_argument("--frozen-perceptual", action="store_true")
     parser.add_argument("--save-model", help="accelerator.save_model(discriminator) into this folder at the end")
     parser.add_argument("--deepspeed", action="store_true")
     parser.add_argument("--zero-stage", type=int, default=2)
@@ -297,16 +306,24 @@ def main():
     hooks = {"save": [], "load": []}
     acc.register_save_state_pre_hook(save_hook_for(acc, hooks["save"]))
     acc.register_load_state_pre_hook(load_hook_for(hooks["load"]))
-    model, second, optimizer, discr_optimizer, lr_scheduler, discr_lr_scheduler = acc.prepare(
-        model, second, optimizer, discr_optimizer, lr_scheduler, discr_lr_scheduler
-    )
+    perceptual = None
+    if args.frozen_perceptual:
+        perceptual = torch.nn.Conv2d(3, 4, 3, padding=1).requires_grad_(False)
+        model, second, perceptual, optimizer, discr_optimizer, lr_scheduler, discr_lr_scheduler = acc.prepare(
+            model, second, perceptual, optimizer, discr_optimizer, lr_scheduler, discr_lr_scheduler
+        )
+    else:
+        model, second, optimizer, discr_optimizer, lr_scheduler, discr_lr_scheduler = acc.prepare(
+            model, second, optimizer, discr_optimizer, lr_scheduler, discr_lr_scheduler
+        )
     step = {"vqgan": vqgan_step, "titok": titok_step, "joint": joint_step}[args.pattern]
     data = images(32)
     start = 0
     if args.resume:
         acc.load_state(args.resume)
         start = json.loads(Path(args.resume + ".batch.json").read_text())["batch"]
-    out = {"generator": [], "discriminator": [], "hooks": hooks, "skip_discr_zero_grad": args.skip_discr_zero_grad}
+    out = {"generator": [], "discriminator": [], "hooks": hooks, "skip_discr_zero_grad": args.skip_discr_zero_grad,
+           "generator_grad_norm": [], "discriminator_grad_norm": [], "perceptual": perceptual}
     model.train()
     second.train()
     for i in range(start, start + args.steps):
@@ -323,6 +340,7 @@ def main():
         name: {k: v.float().tolist() for k, v in acc.get_state_dict(m).items()}
         for name, m in (("generator", model), ("second", second))
     }
+    del out["perceptual"]
     if args.save_model:  # accelerate's save_model: one model's own weights, as without DeepSpeed
         acc.save_model(second, args.save_model)
     if acc.is_main_process:

@@ -53,11 +53,23 @@ def test_vqgan_loop_equals_plain_accelerate(tmp_path, stage, precision, accumula
     if precision == "no":
         assert ds["generator"] == plain["generator"] and ds["discriminator"] == plain["discriminator"]
         assert_weights_close(ds["weights"], plain["weights"], atol=0)
+        # clip_grad_norm_ reports the norm of the engine owning the parameters given, as torch computes it
+        assert_close(ds["generator_grad_norm"], plain["generator_grad_norm"], rtol=1e-5)
+        assert_close(ds["discriminator_grad_norm"], plain["discriminator_grad_norm"], rtol=1e-5)
+        assert len(ds["generator_grad_norm"]) == phases  # one per sync step of the phase
     else:
         assert_close(ds["generator"], plain["generator"], rtol=0.05)
         assert_close(ds["discriminator"], plain["discriminator"], rtol=0.05)
         assert_weights_close(ds["weights"], plain["weights"], atol=0.05)
     assert ds["generator"][0] != ds["generator"][-1]
+
+
+def test_a_frozen_model_in_the_call_goes_with_the_first_engine(tmp_path):
+    plain, _ = pattern(tmp_path, "vqgan", "--frozen-perceptual", "--steps", "4")
+    ds, proc = pattern(tmp_path, "vqgan", "--frozen-perceptual", "--deepspeed", "--zero-stage", "2", "--steps", "4")
+    assert "engine 1 (optimizer 1 (AdamW, argument 4 of prepare())): generator, conv2d;" in proc.stderr
+    assert ds["generator"] == plain["generator"] and ds["discriminator"] == plain["discriminator"]
+    assert ds["engine_steps"] == [2, 2]
 
 
 def test_two_processes_train_as_one(tmp_path):
