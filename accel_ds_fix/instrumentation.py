@@ -15,6 +15,7 @@ PATCHES = {
     "accelerate.accelerator": {
         "Accelerator.prepare": "merge.prepare.prepare",
         "Accelerator.backward": "merge.trainability.backward",
+        "Accelerator.accumulate": "merge.backward_routing.accumulate",
         "Accelerator.clip_grad_norm_": "patches.clipping.clip_grad_norm_",
         "Accelerator.unwrap_model": "checkpoints.exports.unwrap_model",
         "Accelerator.get_state_dict": "checkpoints.exports.get_state_dict",

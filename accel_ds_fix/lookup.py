@@ -13,3 +13,9 @@ def deepspeed_config(accelerator):
 def merged_engine(accelerator):
     """The DeepSpeed engine of this accelerator that holds merged models, or None."""
     return next((m for m in accelerator._models if getattr(m, "_accel_ds_fix_proxies", None)), None)
+
+
+def merged_engines(accelerator):
+    """Every DeepSpeed engine of this accelerator that holds merged models: one per optimizer of a GAN-style
+    prepare() (merge/engine_per_optimizer.py), else at most one."""
+    return [m for m in accelerator._models if getattr(m, "_accel_ds_fix_proxies", None)]

@@ -113,9 +113,11 @@ def paramless_model(reference):
 
 @scenario
 def two_optimizers(reference):
+    # one engine per optimizer (tests/test_two_optimizers.py); two optimizers over the same parameters cannot be
     acc = accelerator()
     unet, te = TinyUNet(), TinyTextEncoder()
-    acc.prepare(unet, te, torch.optim.AdamW(unet.parameters()), torch.optim.AdamW(te.parameters()), data())
+    both = [*unet.parameters(), *te.parameters()]
+    acc.prepare(unet, te, torch.optim.AdamW(unet.parameters()), torch.optim.AdamW(both), data())
 
 
 @scenario
@@ -315,6 +317,31 @@ def grad_read_after_backward(reference):
         return {"shape": list(full.shape), "nonzero": bool(full.abs().sum() > 0)}
     grads = acc.unwrap_model(te).embed.weight.grad
     grads[1:] = 0  # fails: under ZeRO-2/3 DeepSpeed holds the gradients
+
+
+@scenario
+def grad_read_into_variable_earlier(reference):
+    # diffusers' train_custom_diffusion.py --modifier_token: the gradient is read into a variable, the rows to
+    # keep are computed over several lines, then `grads_text_encoder.data[index, :] = ...` dies under ZeRO-2/3.
+    acc = accelerator(zero_stage=int(sys.argv[2]))
+    unet, te, opt = models_and_optimizer()
+    unet, te, opt, dl = acc.prepare(unet, te, opt, data())
+    ids, latents = next(iter(dl))
+    acc.backward(torch.nn.functional.mse_loss(unet(latents, te(ids)), latents))
+    if acc.num_processes > 1:
+        grads_text_encoder = te.module.embed.weight.grad
+    else:
+        grads_text_encoder = te.embed.weight.grad
+    # Get the index for tokens that we want to zero the grads for
+    modifier_token_id = [3, 5]
+    index_grads_to_zero = torch.arange(VOCAB) != modifier_token_id[0]
+    for i in range(1, len(modifier_token_id)):
+        index_grads_to_zero = index_grads_to_zero & (
+            torch.arange(VOCAB) != modifier_token_id[i]
+        )
+    grads_text_encoder.data[index_grads_to_zero, :] = grads_text_encoder.data[
+        index_grads_to_zero, :
+    ].fill_(0)
 
 
 @scenario

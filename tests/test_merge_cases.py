@@ -28,10 +28,11 @@ def test_handled_cases_train_like_hand_written_merge(scenario, name):
         assert fixed["still_shared"] is True
 
 
-def test_two_optimizers_is_refused_with_reason(scenario):
+def test_two_optimizers_sharing_parameters_is_refused_with_reason(scenario):
     stderr = refused(scenario, "two_optimizers")
-    assert "MergeError: accel_ds_fix: this prepare() call holds 2 optimizers" in stderr
-    assert "one engine with exactly one optimizer" in stderr
+    assert "MergeError: accel_ds_fix: a parameter of shape (16, 8) is in both optimizer 1 (AdamW, argument 3 of " \
+        "prepare()) and optimizer 2 (AdamW, argument 4 of prepare())" in stderr
+    assert "a parameter cannot be trained by two engines" in stderr
     assert "parameter groups" in stderr
 
 

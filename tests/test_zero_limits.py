@@ -20,6 +20,14 @@ def test_gradient_read_after_backward_is_explained(scenario):
     ) in proc.stderr
 
 
+def test_gradient_read_into_a_variable_lines_earlier_is_explained(scenario):
+    # train_custom_diffusion.py's shape: the .grad read sits 9 lines above the line that fails
+    proc = scenario("grad_read_into_variable_earlier", "2", check=False)
+    assert proc.returncode != 0
+    assert "AttributeError: 'NoneType' object has no attribute 'data'" in proc.stderr
+    assert "accel_ds_fix: the failing code reads a parameter's .grad, which is None here" in proc.stderr
+
+
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_a_parameter_hook_masks_gradients_under_zero(scenario, stage):
     # The way out the message names: only the row the hook lets through trains.

@@ -32,6 +32,8 @@ def write(directory, merged, files, kept=()):
     ``kept`` the top-level entries of the script's own that the save found in the folder and left there."""
     content = {"format": FORMAT, "models": describe(merged), "frozen": frozen_names(merged), "files": files,
                "kept": list(kept)}
+    if hasattr(merged, "engines"):  # one engine per optimizer: which DeepSpeed checkpoint holds which models
+        content["engines"] = merged.engines
     with open(os.path.join(directory, FILENAME), "w", encoding="utf-8") as f:
         json.dump(content, f)
         f.flush()

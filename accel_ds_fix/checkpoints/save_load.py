@@ -21,7 +21,8 @@ import sys
 from . import crash_safe, manifest, nvme_resume
 from ..merge import trainability
 from ..gather import copied_by_hook, shards
-from ..lookup import merged_engine
+from ..lookup import merged_engines
+from .engine_views import merged_view
 from ..merge.proxy import unwrap
 
 
@@ -64,11 +65,11 @@ def _weights_entry(model):
     return model.state_dict()
 
 
-def _each_model(engine, models):
-    """accelerate's model list with the merged engine replaced by its models' proxies, in argument order."""
+def _each_model(engines, models):
+    """accelerate's model list with each merged engine replaced by its models' proxies, in argument order."""
     split = []
     for model in models:
-        split.extend(engine._accel_ds_fix_proxies.values() if model is engine else [model])
+        split.extend(model._accel_ds_fix_proxies.values() if any(model is e for e in engines) else [model])
     return split
 
 
@@ -91,10 +92,10 @@ def _hooks_replaced(accelerator, attribute, adapt):
 
 
 @contextlib.contextmanager
-def _gathered_for_hook(accelerator, engine):
+def _gathered_for_hook(accelerator, engines):
     # With several processes, a save hook that saves on the main process only (diffusers' do) would gather
     # ZeRO-3 weights there alone and hang: gather them on every process around the hook instead.
-    params = shards(engine.module.parameters()) if accelerator.num_processes > 1 else []
+    params = shards(p for e in engines for p in e.module.parameters()) if accelerator.num_processes > 1 else []
     if not params:
         yield
         return
@@ -124,17 +125,18 @@ def _models_built_whole():
 def save_state(wrapped, instance, args, kwargs):
     """Accelerator.save_state: DeepSpeed's checkpoint of the merged engine, plus what it holds (manifest), written
     beside the folder and moved into place once whole."""
-    engine = merged_engine(instance)
-    if engine is None:
+    engines = merged_engines(instance)  # one per optimizer of a GAN-style prepare(), else one
+    if not engines:
         return wrapped(*args, **kwargs)
-    trainability.warn_if_changed(engine)
+    for engine in engines:
+        trainability.warn_if_changed(engine)
 
     def per_model(hook):
         def save_hook(models, weights, output_dir):
-            each = _each_model(engine, models)
+            each = _each_model(engines, models)
             # One entry per model, as without DeepSpeed. What the hook leaves in it is not written again:
             # DeepSpeed's checkpoint already holds every weight (accelerate's own `weights` stays empty).
-            with _gathered_for_hook(instance, engine), _models_built_whole():
+            with _gathered_for_hook(instance, engines), _models_built_whole():
                 hook(each, [_weights_entry(unwrap(m)) for m in each], output_dir)
 
         return save_hook
@@ -150,7 +152,7 @@ def save_state(wrapped, instance, args, kwargs):
             return wrapped(folder, *args[1:], **rest)
 
     def write_manifest(folder, files, kept):
-        manifest.write(folder, engine.module, files, kept)
+        manifest.write(folder, merged_view(engines, lambda e: _checkpoint_tag(instance, e)), files, kept)
 
     location = crash_safe.save(instance, target, save_into, write_manifest)
     return type(location)(target) if isinstance(location, (str, os.PathLike)) else location
@@ -207,26 +209,29 @@ def load_state(wrapped, instance, args, kwargs):
     """Accelerator.load_state: check the checkpoint holds these models, run the load hooks with the models
     (before any weights are loaded, as accelerate does without DeepSpeed), then let DeepSpeed restore the
     engine, which overrides whatever the hooks loaded."""
-    engine = merged_engine(instance)
-    directory = _input_dir(instance, args, kwargs) if engine is not None else None
+    engines = merged_engines(instance)  # one per optimizer of a GAN-style prepare(), else one
+    directory = _input_dir(instance, args, kwargs) if engines else None
     if directory is not None:
         crash_safe.check_whole(directory)  # a partial, mixed or altered folder: refused before anything loads
     if directory is None or not os.path.isdir(directory):
         return wrapped(*args, **kwargs)  # accelerate's own handling, and its own error for a missing folder
-    saved = manifest.check(directory, engine.module)
-    trainability.warn_if_changed(engine)
+    merged = merged_view(engines, lambda e: _checkpoint_tag(instance, e))
+    saved = manifest.check(directory, merged)
+    for engine in engines:
+        trainability.warn_if_changed(engine)
     hooks = list(getattr(instance, "_load_model_state_pre_hook", {}).values())
     if hooks:
-        models = list(engine._accel_ds_fix_proxies.values())
+        models = [proxy for engine in engines for proxy in engine._accel_ds_fix_proxies.values()]
         with _models_built_whole():
             for hook in hooks:
                 hook(models, directory)
     with _hooks_replaced(instance, "_load_model_state_pre_hook", lambda hook: _already_called):
-        with trainability.as_saved(engine.module, saved["frozen"]):
+        with trainability.as_saved(merged, saved["frozen"]):
             # the folder checked, also where accelerate would pick it (automatic naming: the highest number)
             rest = {k: v for k, v in kwargs.items() if k != "input_dir"}
             result = wrapped(directory, *args[1:], **rest)
-    nvme_resume.restore_unswapped(engine, directory, _checkpoint_tag(instance, engine))
+    for engine in engines:
+        nvme_resume.restore_unswapped(engine, directory, _checkpoint_tag(instance, engine))
     return result
 
 

@@ -5,6 +5,7 @@ Only appends text to what Python prints for an uncaught exception; it never chan
 
 import linecache
 import os
+import re
 import sys
 import traceback
 
@@ -28,13 +29,33 @@ SHARD_NOTE = (
 )
 
 
+# How far above the failing line a gradient read into a variable is looked for: diffusers'
+# train_custom_diffusion.py reads `grads_text_encoder = ...weight.grad` 7 - 9 lines above its failing write.
+GRAD_READ_LINES = 40
+
+
 def _failing_code(tb):
-    """The failing line of the script and the few lines before it (a gradient is often read a line earlier)."""
+    """The failing line of the script and the few lines before it (a gradient is often read a line earlier),
+    plus, for each name the failing line uses, the nearest line above that assigned it from a ``.grad``."""
     frames = [f for f in traceback.extract_tb(tb) if not f.filename.startswith(_OWN)]
     if not frames:
         return ""
     last = frames[-1]
-    return "\n".join(linecache.getline(last.filename, n) for n in range(max(1, last.lineno - 5), last.lineno + 1))
+    lines = [linecache.getline(last.filename, n) for n in range(max(1, last.lineno - 5), last.lineno + 1)]
+    return "\n".join(lines + _grad_reads(last.filename, last.lineno, last.line or lines[-1]))
+
+
+def _grad_reads(filename, lineno, failing_line):
+    """Lines above ``lineno`` that read a ``.grad`` into a name the failing line uses (``g = p.grad`` ...
+    ``g.data[...] = ...``): the read a few lines earlier that made the name None."""
+    names = set(re.findall(r"\b([A-Za-z_]\w*)\s*(?:\.|\[)", failing_line))
+    found = []
+    for n in range(lineno - 1, max(0, lineno - GRAD_READ_LINES), -1):
+        line = linecache.getline(filename, n)
+        match = re.match(r"\s*([A-Za-z_]\w*)\s*=[^=].*\.grad\b", line)
+        if match and match.group(1) in names:
+            found.append(line)
+    return found
 
 
 def _explain(exc, tb):

@@ -73,13 +73,7 @@ class MergePlan:
         """Raise MergeError for any input that one merged engine cannot train correctly."""
         self._check_each_model_once()
         self._check_not_prepared()
-        if len(self.optimizers) > 1:
-            raise MergeError(
-                f"accel_ds_fix: this prepare() call holds {len(self.optimizers)} optimizers, but DeepSpeed builds "
-                "one engine with exactly one optimizer for all merged models (ZeRO partitions and steps a single "
-                "optimizer state). Put every model's parameters into one optimizer, as parameter groups if they "
-                "need their own learning rates, and pass only that optimizer."
-            )
+        # several optimizers never get here: one engine per optimizer (engine_per_optimizer.py)
         if self.optimizers:
             self._check_optimizer_covered(self.optimizers[0])
             if offload_device not in (None, "none") and force_cpu_optimizer:

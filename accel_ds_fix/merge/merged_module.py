@@ -51,12 +51,16 @@ class MergedModels(torch.nn.Module):
     ``forward`` runs exactly one of them, picked by the proxy that called the engine.
     """
 
-    def __init__(self, models, names=None):
+    def __init__(self, models, names=None, fp32_outputs=False):
         super().__init__()
         names = list(names) if names is not None else model_names(models)
         self.models = torch.nn.ModuleDict(dict(zip(names, models)))
         self.config = MergedConfig(max(hidden_size_of(m) for m in models), names)
         self._compute_dtypes = {}
+        # One engine per optimizer (GAN-style scripts): one engine's outputs feed plain modules and the other
+        # engine (vqgan's fmap goes into an fp32 timm network); without DeepSpeed accelerate's mixed precision
+        # hands outputs back in fp32 (convert_outputs_to_fp32), so these do too.
+        self._fp32_outputs = fp32_outputs
 
     def forward(self, *args, **kwargs):
         name = kwargs.pop(TARGET_KEYWORD, None)
@@ -67,7 +71,12 @@ class MergedModels(torch.nn.Module):
             )
         model = self.models[name]
         with self._autocast_for(name, model):
-            return model(*args, **kwargs)
+            outputs = model(*args, **kwargs)
+        if self._fp32_outputs and self._compute_dtype(name, model) is not None:
+            from accelerate.utils.operations import convert_to_fp32
+
+            outputs = convert_to_fp32(outputs)
+        return outputs
 
     def _autocast_for(self, name, model):
         # DeepSpeed's fp16/bf16 modes turn the weights to half precision but leave the inputs alone, so fp32

@@ -6,14 +6,14 @@ import logging
 
 import torch
 
-from . import gradient_explanation, trainability
+from . import engine_per_optimizer, gradient_explanation, trainability
 from .. import notices
 from ..memory import check as memory_check
-from ..patches import old_accelerate, cpu_threads, zero3_dtypes, gpu_block_release
+from ..patches import old_accelerate, cpu_threads, spectral_norm_dtype, zero3_dtypes, gpu_block_release
 from ..gather import add_full_weight_hooks
 from ..lookup import deepspeed_config, uses_deepspeed
 from .merged_module import MergedModels
-from .grouping import MergePlan
+from .grouping import MergePlan, _is_optimizer
 from .proxy import ModelProxy
 
 
@@ -50,6 +50,8 @@ def prepare(wrapped, instance, args, kwargs):
     if models:  # one model too: without the op DeepSpeed would stop halfway through building the engine
         optimizer = next((obj for obj in args if isinstance(obj, torch.optim.Optimizer)), None)
         memory_check.check_prerequisites(models, optimizer, config, instance)
+    if models and sum(1 for obj in args if _is_optimizer(obj)) > 1:  # GAN-style: one engine per optimizer
+        return engine_per_optimizer.prepare(wrapped, instance, args, kwargs, config)
     if len(models) < 2:
         return wrapped(*args, **kwargs)
 
@@ -85,6 +87,7 @@ def prepare(wrapped, instance, args, kwargs):
             handed_back.append(next(remaining))
     engine._accel_ds_fix_proxies = proxies
     trainability.remember(engine)
+    spectral_norm_dtype.match_buffers_to_weights(engine.module)
     # What construction freed after the hook's last release (ZeRO-2's partition clone, ZeRO-3's gathers) goes back too.
     gpu_block_release.release_cached_blocks(getattr(engine, "device", None))
     add_full_weight_hooks(plan.models)  # state_dict() gives full, separate tensors (ZeRO-3: never shape [0])

@@ -39,9 +39,15 @@ def remember(engine):
 
 
 def backward(wrapped, instance, args, kwargs):
-    """Accelerator.backward: notice requires_grad changes made after prepare() (a flag comparison per step)."""
-    result = wrapped(*args, **kwargs)
-    engine = merged_engine(instance)
+    """Accelerator.backward: notice requires_grad changes made after prepare() (a flag comparison per step).
+    With one engine per optimizer the loss goes to the engine it trains (backward_routing.py), and only that
+    engine's flags count (TiTok freezes the discriminator during the generator's backward)."""
+    from . import backward_routing
+
+    if backward_routing.engines(instance):
+        result, engine = None, backward_routing.backward(instance, *args, **kwargs)
+    else:
+        result, engine = wrapped(*args, **kwargs), merged_engine(instance)
     if engine is not None and not getattr(engine, "_accel_ds_fix_trainability_said", False):
         flags = tuple(p.requires_grad for p in engine._accel_ds_fix_params)
         if flags != engine._accel_ds_fix_flags:

@@ -1,10 +1,12 @@
 """Accelerator.clip_grad_norm_ with merged models: under DeepSpeed it only reports the norm, and the engine
-clips every step to the config's gradient_clipping. Said once, so a script's max_norm is not silently lost."""
+clips every step to the config's gradient_clipping. Said once, so a script's max_norm is not silently lost. With
+one engine per optimizer (GAN-style scripts) the norm reported is that of the engine owning the parameters given
+(accelerate would report the first engine's)."""
 
 import logging
 
 from .. import notices
-from ..lookup import deepspeed_config, merged_engine
+from ..lookup import deepspeed_config, merged_engine, merged_engines
 
 
 def clip_grad_norm_(wrapped, instance, args, kwargs):
@@ -18,4 +20,11 @@ def clip_grad_norm_(wrapped, instance, args, kwargs):
             "here. Set gradient_clipping in the DeepSpeed config to change it.",
             level=logging.INFO if max_norm == configured else logging.WARNING,
         )
+    engines = merged_engines(instance)
+    if len(engines) > 1:
+        given = args[0] if args else kwargs.get("parameters")
+        given = {id(p) for p in ([given] if hasattr(given, "grad") else given)}
+        engine = next((e for e in engines if any(id(p) in given for p in e.module.parameters())), engines[0])
+        norm = engine.get_global_grad_norm()
+        return norm.item() if hasattr(norm, "item") else norm
     return wrapped(*args, **kwargs)

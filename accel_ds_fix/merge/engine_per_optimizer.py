@@ -1,0 +1,63 @@
+"""Accelerator.prepare with several optimizers: one DeepSpeed engine per optimizer, built by accelerate's own
+prepare() once per engine (its models merged into one module as with one optimizer, even a single model: the
+proxy, the autocast of the merged module and the checkpoint code then work the same), each scheduler bound to
+its own optimizer's engine, every model handed back as a proxy of its engine. accelerator.backward is routed
+per loss (backward_routing.py)."""
+
+import logging
+
+import torch
+
+from . import backward_routing, gradient_explanation, trainability
+from .. import notices
+from ..gather import add_full_weight_hooks
+from ..patches import cpu_threads, gpu_block_release, spectral_norm_dtype
+from .merged_module import MergedModels
+from .optimizer_groups import EngineGroups
+from .proxy import ModelProxy
+
+
+def _fp16(config, accelerator):
+    return bool(config.get("fp16", {}).get("enabled") is True or getattr(accelerator, "mixed_precision", None) == "fp16")
+
+
+def prepare(wrapped, instance, args, kwargs, config):
+    """Build one engine per optimizer of ``args``; return prepare()'s results in argument order."""
+    zero = config.get("zero_optimization", {})
+    offload_device = zero.get("offload_optimizer", {}).get("device", "none")
+    plan = EngineGroups(args)
+    groups = plan.build(zero.get("stage"), _fp16(config, instance), offload_device=offload_device,
+                        force_cpu_optimizer=config.get("zero_force_ds_cpu_optimizer", True))
+    if offload_device not in (None, "none"):
+        cpu_threads.warn_if_few_for_cpu_optimizer()
+    handed_back = {}
+    grouped = {p for g in groups for p in [*g.model_positions, g.optimizer_position, *g.scheduler_positions]}
+    others = [i for i in range(len(args)) if i not in grouped]  # dataloaders and the like: with the first engine
+    first_wrapper = getattr(instance, "deepspeed_engine_wrapped", None)
+    for k, group in enumerate(groups):
+        merged = MergedModels(group.models, group.names, fp32_outputs=True)
+        positions = [group.optimizer_position, *group.scheduler_positions] + (others if k == 0 else [])
+        # accelerate keeps one engine wrapper for accelerator.backward and warns at the second: each engine's
+        # wrapper is kept on the engine instead, and accelerate's attribute keeps the first.
+        instance.deepspeed_engine_wrapped = None
+        with gpu_block_release.building_engine():
+            result = wrapped(merged, *(args[i] for i in positions), **kwargs)
+        result = list(result) if isinstance(result, (tuple, list)) else [result]
+        engine, wrapper = result[0], instance.deepspeed_engine_wrapped
+        first_wrapper = first_wrapper or wrapper
+        instance.deepspeed_engine_wrapped = first_wrapper
+        handed_back.update(zip(positions, result[1:]))
+        proxies = {name: ModelProxy(model, engine, name) for name, model in zip(group.names, group.models)}
+        handed_back.update({p: proxies[n] for p, n in zip(group.model_positions, group.names)})
+        engine._accel_ds_fix_proxies = proxies
+        engine._accel_ds_fix_wrapper = wrapper
+        trainability.remember(engine)
+        spectral_norm_dtype.match_buffers_to_weights(engine.module)
+        backward_routing.manage(instance, engine, handed_back[group.optimizer_position],
+                                f"{', '.join(group.names)} (engine of {plan.optimizer_label(k)})")
+        gpu_block_release.release_cached_blocks(getattr(engine, "device", None))
+        add_full_weight_hooks(group.models)
+    gradient_explanation.watch(zero.get("stage"))
+    if instance.is_main_process:
+        notices.say(plan.describe(zero.get("stage")), level=logging.INFO)
+    return tuple(handed_back[i] for i in range(len(args)))
