@@ -214,7 +214,7 @@ def test_offload_check_goes_by_the_optimizer_class_not_its_name():
     import torch
 
     from accel_ds_fix.errors import MergeError
-    from accel_ds_fix.merge.grouping import _check_offloadable
+    from accel_ds_fix.merge.merge_plan import _check_offloadable
 
     params = [torch.nn.Parameter(torch.zeros(2))]
 

@@ -5,7 +5,7 @@ owns. Reads the argument list, decides the engines, and refuses what one engine 
 import torch
 
 from ..errors import MergeError
-from .grouping import MergePlan, _check_offloadable, _is_optimizer, _optimizer_params
+from .merge_plan import MergePlan, _check_offloadable, _is_optimizer, _optimizer_params
 
 SUPPORTED_STAGES = (1, 2)
 

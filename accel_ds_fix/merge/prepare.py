@@ -13,7 +13,7 @@ from ..patches import old_accelerate, cpu_threads, spectral_norm_dtype, zero3_dt
 from ..gather import add_full_weight_hooks
 from ..lookup import deepspeed_config, uses_deepspeed
 from .merged_module import MergedModels
-from .grouping import MergePlan, _is_optimizer
+from .merge_plan import MergePlan, _is_optimizer
 from .proxy import ModelProxy
 
 
