@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 
 from . import report
@@ -17,28 +18,78 @@ from ..ops import libaio, builds
 GIB = memory_model.GIB
 
 
+def _memory_size(text):
+    """argparse type of --gpu-memory, --host-memory, --activations: a size with its unit (a bare number would be
+    read as bytes: `--gpu-memory 6` planned for a card of 6 bytes)."""
+    if re.fullmatch(r"\s*[0-9.]+\s*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} has no unit: write {text.strip()}GiB (or {text.strip()}GB, "
+                                         f"{text.strip()}g; MiB, MB, m and TiB, TB, t work too)")
+    try:
+        size = advice.parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a memory size must be more than 0")
+    return text
+
+
+def _parameter_count(text):
+    """argparse type of --params, --trainable: a positive count (983M, 1.1B, 860000000)."""
+    try:
+        count = advice.parse_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if count <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a parameter count must be more than 0 (examples: 983M, 1.1B)")
+    return text
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be 1 or more")
+    return value
+
+
+def _writable_folder(text):
+    """argparse type of --write: a folder that can be written, or made (its nearest existing parent checked before
+    the plan, so a typo costs no measurement; what only the write can tell, /proc, is one line from _write)."""
+    existing = os.path.abspath(os.path.expanduser(text))
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise argparse.ArgumentTypeError(f"cannot write into {text}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write into {text}: {existing} is not writable by this user; "
+                                         "give a folder you can write (it is made where missing)")
+    return text
+
+
 def _plan_parser(sub):
     p = sub.add_parser("plan", help="which shipped DeepSpeed config fits a model on a machine",
                        description="Predict each shipped tier's GPU, host and NVMe needs, say which fit, recommend one.")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--params", help="parameters passed to prepare(), e.g. 983M (SD1.5 UNet + text encoder)")
+    what.add_argument("--params", type=_parameter_count, help="parameters passed to prepare(), e.g. 983M (SD1.5 UNet + text encoder)")
     what.add_argument("--model", help="a diffusers pipeline folder (its unet and text encoders are counted), a "
                                       "transformers/diffusers model folder, or a .safetensors file")
-    p.add_argument("--trainable", help="trainable parameters, if fewer than all (default: all)")
-    p.add_argument("--gpu-memory", help="the card's memory, e.g. 6GiB (default: detected)")
-    p.add_argument("--host-memory", help="the machine's RAM, e.g. 16GiB (default: detected)")
-    p.add_argument("--activations", default="0.42GiB",
+    p.add_argument("--trainable", type=_parameter_count, help="trainable parameters, if fewer than all (default: all)")
+    p.add_argument("--gpu-memory", type=_memory_size, help="the card's memory, e.g. 6GiB (default: detected)")
+    p.add_argument("--host-memory", type=_memory_size, help="the machine's RAM, e.g. 16GiB (default: detected)")
+    p.add_argument("--activations", default="0.42GiB", type=_memory_size,
                    help="activation memory at the peak (default 0.42GiB: SD1.5, 512 px, batch 1, gradient checkpointing)")
     p.add_argument("--mixed-precision", default="fp16", choices=["fp16", "bf16", "no"])
-    p.add_argument("--num-processes", type=int, default=1, help="data-parallel processes (GPUs)")
+    p.add_argument("--num-processes", type=_positive_int, default=1, help="data-parallel processes (GPUs)")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
-    p.add_argument("--write", metavar="DIR", help="write the recommended (or --tier) config pair into DIR")
+    p.add_argument("--write", metavar="DIR", type=_writable_folder, help="write the recommended (or --tier) config pair into DIR")
     p.add_argument("--tier", choices=[t.name for t in tiers.TIERS], help="the tier to write instead")
     p.add_argument("--nvme-path",
                    help="folder on an NVMe disk for the zero3-nvme tier's optimizer states (default "
                         f"{tiers.DEFAULT_NVME_PATH}); given, its read and write speed is measured (a few seconds) "
                         "and the tier's time a step predicted")
-    p.add_argument("--steps", type=int, help="optimizer steps of the run (kohya's --max_train_steps): hours and "
+    p.add_argument("--steps", type=_positive_int, help="optimizer steps of the run (kohya's --max_train_steps): hours and "
                                              "bytes written to the SSD for the NVMe tier")
     p.add_argument("--compute-seconds", type=float, default=disk_speed.DEFAULT_COMPUTE_SECONDS,
                    help="seconds of a training step outside the disk (forward, backward, CPU Adam; default "
@@ -96,7 +147,8 @@ def _write(tier_name, folder, nvme_path):
     try:
         return tiers.write(tiers.BY_NAME[tier_name], folder, nvme_path=nvme_path)
     except OSError as exc:
-        raise ValueError(f"cannot write the config into {folder}: {exc.strerror}") from exc
+        raise ValueError(f"cannot write the config into {folder}: {exc.strerror}; give a folder you can write "
+                         "(it is made where missing)") from exc
 
 
 def _nvme_timing(args, work, rows):
