@@ -27,11 +27,14 @@ def describe(merged):
     }
 
 
-def write(directory, merged, files, kept=()):
+def write(directory, merged, files, kept=(), layout=None):
     """Written last by a save: ``files`` {relative path: {"size", "sha256"}} is every file of the checkpoint;
-    ``kept`` the top-level entries of the script's own that the save found in the folder and left there."""
+    ``kept`` the top-level entries of the script's own that the save found in the folder and left there;
+    ``layout`` the DeepSpeed layout it was saved under (checkpoints/layout_change.py)."""
     content = {"format": FORMAT, "models": describe(merged), "frozen": frozen_names(merged), "files": files,
                "kept": list(kept)}
+    if layout is not None:
+        content["layout"] = layout
     with open(os.path.join(directory, FILENAME), "w", encoding="utf-8") as f:
         json.dump(content, f)
         f.flush()
@@ -85,7 +88,7 @@ def check(directory, merged):
             f"{_summary(current)}. " + "; ".join(problems) + ". Nothing was loaded. Pass the same models, in the "
             "same order, to accelerator.prepare() as the run that saved it."
         )
-    return {"frozen": content.get("frozen")}
+    return {"frozen": content.get("frozen"), "layout": content.get("layout")}
 
 
 def automatic_checkpoint(project_dir):

@@ -18,7 +18,7 @@ import re
 import shutil
 import sys
 
-from . import crash_safe, manifest, nvme_resume
+from . import crash_safe, layout_change, manifest, nvme_resume
 from ..merge import trainability
 from ..gather import copied_by_hook, shards
 from ..lookup import merged_engine
@@ -150,7 +150,7 @@ def save_state(wrapped, instance, args, kwargs):
             return wrapped(folder, *args[1:], **rest)
 
     def write_manifest(folder, files, kept):
-        manifest.write(folder, engine.module, files, kept)
+        manifest.write(folder, engine.module, files, kept, layout_change.of_engine(engine))
 
     location = crash_safe.save(instance, target, save_into, write_manifest)
     return type(location)(target) if isinstance(location, (str, os.PathLike)) else location
@@ -214,6 +214,7 @@ def load_state(wrapped, instance, args, kwargs):
     if directory is None or not os.path.isdir(directory):
         return wrapped(*args, **kwargs)  # accelerate's own handling, and its own error for a missing folder
     saved = manifest.check(directory, engine.module)
+    layout_change.check(directory, saved["layout"], layout_change.of_engine(engine))  # a refusal before the hooks
     trainability.warn_if_changed(engine)
     hooks = list(getattr(instance, "_load_model_state_pre_hook", {}).values())
     if hooks:
@@ -221,12 +222,15 @@ def load_state(wrapped, instance, args, kwargs):
         with _models_built_whole():
             for hook in hooks:
                 hook(models, directory)
-    with _hooks_replaced(instance, "_load_model_state_pre_hook", lambda hook: _already_called):
-        with trainability.as_saved(engine.module, saved["frozen"]):
-            # the folder checked, also where accelerate would pick it (automatic naming: the highest number)
-            rest = {k: v for k, v in kwargs.items() if k != "input_dir"}
-            result = wrapped(directory, *args[1:], **rest)
-    nvme_resume.restore_unswapped(engine, directory, _checkpoint_tag(instance, engine))
+    tag = _checkpoint_tag(instance, engine)
+    with layout_change.resumed(instance, engine, directory, tag, saved["layout"]) as converted:
+        with _hooks_replaced(instance, "_load_model_state_pre_hook", lambda hook: _already_called):
+            with trainability.as_saved(engine.module, saved["frozen"]):
+                # the folder checked, also where accelerate would pick it (automatic naming: the highest number)
+                rest = {k: v for k, v in kwargs.items() if k != "input_dir"}
+                result = wrapped(directory, *args[1:], **rest)
+    if not converted:  # a universal copy holds every sub group's states: nothing skipped to restore
+        nvme_resume.restore_unswapped(engine, directory, tag)
     return result
 
 
