@@ -92,13 +92,11 @@ def test_zero2_checkpoint_resumes_under_zero3_with_its_states_and_another_precis
 def test_round_trip_through_two_processes_zero3_and_nvme_keeps_every_state(tmp_path, request):
     """1 process ZeRO-2 + CPU offload -> 2 processes ZeRO-3 -> (1 process ZeRO-3 + NVMe -> 2 processes ZeRO-3 +
     NVMe, where NVMe runs here) -> 1 process ZeRO-2 + CPU offload, each hop loading the previous hop's checkpoint
-    in another layout and saving it again without a step: the last one continues exactly as the first layout's
-    own resume does. Width 512: NVMe offload swaps the sub groups out (over aio's 1 MiB)."""
+    in another layout and saving it again without a step: the last one continues exactly as the uninterrupted run. Width 512: NVMe offload swaps the sub groups out (over aio's 1 MiB)."""
     wide = ["--width", "512"]
     first = tmp_path / "first"
-    train(tmp_path, "first", "zero2-offload", 1, *wide, "--steps", "4", "--save-state", first)
-    native, _ = train(tmp_path, "native", "zero2-offload", 1, *wide, "--resume", first, "--first-step", "4",
-                      "--steps", "3")
+    uninterrupted, _ = train(tmp_path, "first", "zero2-offload", 1, *wide, "--steps", "7", "--save-state", first,
+                             "--save-state-at", "4")
     hops = [("zero3", 2)]
     nvme = None
     if nvme_unavailable() is None:
@@ -119,11 +117,13 @@ def test_round_trip_through_two_processes_zero3_and_nvme_keeps_every_state(tmp_p
         previous = saved
     back, stderr = train(tmp_path, "back", "zero2-offload", 1, *wide, "--resume", previous, "--first-step", "4",
                          "--steps", "3")
-    assert back == native, stderr[-3000:]
+    # Bit-equal to the uninterrupted run. (DeepSpeed's own resume of `first` in its own layout is not: its third
+    # loss differs by 8e-4, as the README says of CPU offload; the universal load restores the step exactly.)
+    assert back == uninterrupted[4:], stderr[-3000:]
     # Loaded again in the same layout: the universal copy is reused, not converted again.
     again, stderr = train(tmp_path, "again", "zero2-offload", 1, *wide, "--resume", previous, "--first-step", "4",
                           "--steps", "1")
-    assert again == native[:1]
+    assert again == uninterrupted[4:5]
     assert len(said(stderr, "resumed from its universal copy")) == 1 and not said(stderr, "converted it to")
 
 

@@ -315,6 +315,8 @@ def _prepared(accelerator, directory, tag, saved, current):
     kind, value = outcome
     if kind == "error":
         raise value
+    if not accelerator.is_main_process:
+        return folder  # said once, by the process that converted
     if kind == "converted":
         notices.say(f"{directory} was saved under {describe(saved)}; this run is {describe(current)}: converted it "
                     f"to DeepSpeed's universal checkpoint format in {value:.1f} s into {folder} "
