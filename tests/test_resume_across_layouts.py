@@ -19,6 +19,7 @@ LAYOUTS = {
     "zero2": ["--zero_stage", "2", "--offload_optimizer_device", "none"],
     "zero2-offload": ["--zero_stage", "2", "--offload_optimizer_device", "cpu"],
     "zero3": ["--zero_stage", "3", "--offload_optimizer_device", "none"],
+    "zero3-offload": ["--zero_stage", "3", "--offload_optimizer_device", "cpu", "--offload_param_device", "cpu"],
 }
 
 
@@ -30,9 +31,11 @@ def train(tmp_path, name, layout, processes, *args, check=True, nvme=None):
         options = ["--zero_stage", "3", "--offload_optimizer_device", "nvme", "--offload_optimizer_nvme_path", nvme]
     else:
         options = LAYOUTS[layout]
+    if "--offload_param_device" not in options:
+        options = [*options, "--offload_param_device", "none"]
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", processes,
               "--num_machines", "1", "--mixed_precision", "bf16", "--gradient_accumulation_steps", "1",
-              "--gradient_clipping", "1.0", "--offload_param_device", "none", *options]
+              "--gradient_clipping", "1.0", *options]
     proc = run([*launch, EXAMPLE, *BF16, *args, "--out", out], env=clean_env(), check=check, timeout=900)
     return (json.loads(out.read_text())["losses"] if out.exists() else None), proc.stderr
 
@@ -90,14 +93,16 @@ def test_zero2_checkpoint_resumes_under_zero3_with_its_states_and_another_precis
 
 
 def test_round_trip_through_two_processes_zero3_and_nvme_keeps_every_state(tmp_path, request):
-    """1 process ZeRO-2 + CPU offload -> 2 processes ZeRO-3 -> (1 process ZeRO-3 + NVMe -> 2 processes ZeRO-3 +
-    NVMe, where NVMe runs here) -> 1 process ZeRO-2 + CPU offload, each hop loading the previous hop's checkpoint
-    in another layout and saving it again without a step: the last one continues exactly as the uninterrupted run. Width 512: NVMe offload swaps the sub groups out (over aio's 1 MiB)."""
+    """1 process ZeRO-2 + CPU offload -> 2 processes ZeRO-3 -> 1 process ZeRO-3 with weights and optimizer on the
+    CPU (zero3-offload) -> (1 process ZeRO-3 + NVMe -> 2 processes ZeRO-3 + NVMe, where NVMe runs here) -> 1
+    process ZeRO-2 + CPU offload, each hop loading the previous hop's checkpoint in another layout and saving it
+    again without a step: the last one continues exactly as the uninterrupted run. Width 512: NVMe offload swaps
+    the sub groups out (over aio's 1 MiB)."""
     wide = ["--width", "512"]
     first = tmp_path / "first"
     uninterrupted, _ = train(tmp_path, "first", "zero2-offload", 1, *wide, "--steps", "7", "--save-state", first,
                              "--save-state-at", "4")
-    hops = [("zero3", 2)]
+    hops = [("zero3", 2), ("zero3-offload", 1)]
     nvme = None
     if nvme_unavailable() is None:
         nvme = Path(tempfile.mkdtemp(dir=Path(tiers.DEFAULT_NVME_PATH).parent))
@@ -113,7 +118,7 @@ def test_round_trip_through_two_processes_zero3_and_nvme_keeps_every_state(tmp_p
             stderr[-3000:]
         layout_saved = json.loads((saved / "accel_ds_fix.json").read_text())["layout"]
         assert (layout_saved["zero_stage"], layout_saved["world_size"]) == (3, processes)
-        assert layout_saved["offload_optimizer"] == ("nvme" if layout == "zero3-nvme" else "none")
+        assert layout_saved["offload_optimizer"] == {"zero3-nvme": "nvme", "zero3-offload": "cpu"}.get(layout, "none")
         previous = saved
     back, stderr = train(tmp_path, "back", "zero2-offload", 1, *wide, "--resume", previous, "--first-step", "4",
                          "--steps", "3")
