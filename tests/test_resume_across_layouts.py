@@ -57,6 +57,11 @@ def test_zero2_checkpoint_resumes_under_zero3_with_its_states_and_another_precis
         "zero_stage": 2, "world_size": 1, "offload_optimizer": "none", "offload_param": "none", "precision": "bf16"}
     before = digests(ckpt)
 
+    # What a conversion killed half-way leaves, and a copy of an earlier checkpoint of that name: neither is taken.
+    (tmp_path / ".accel_ds_fix-converting.ckpt" / "pytorch_model").mkdir(parents=True)
+    (tmp_path / ".accel_ds_fix-universal.ckpt").mkdir()
+    (tmp_path / ".accel_ds_fix-universal.ckpt" / "accel_ds_fix-conversion.json").write_text(
+        json.dumps({"source": "0" * 64, "tag": "pytorch_model", "seconds": 1.0}))
     resumed, stderr = train(tmp_path, "zero3", "zero3", 1, "--resume", ckpt, "--first-step", "4", "--steps", "2")
     # ZeRO-3's bf16 forward rounds otherwise than ZeRO-2's (2e-5 apart from the first step of a fresh run): close,
     # not equal. A fresh start would be 0.5 away; bit-equality of the states is the round trip below.
@@ -81,6 +86,17 @@ def test_zero2_checkpoint_resumes_under_zero3_with_its_states_and_another_precis
     back, stderr = train(tmp_path, "back", "zero2", 1, "--resume", hop, "--first-step", "4", "--steps", "4")
     assert back == uninterrupted[4:], stderr[-3000:]
     assert said(stderr, "was saved under ZeRO-3, 1 process, bf16; this run is ZeRO-2, 1 process, bf16: converted")
+
+    # Converted ahead of the run (for runs short of RAM): the same copy, which the run then reuses.
+    made_by_load = digests(copy)
+    shutil.rmtree(copy)
+    proc = run([sys.executable, "-m", "accel_ds_fix", "convert-checkpoint", ckpt], env=clean_env())
+    assert f"converted {ckpt} to DeepSpeed's universal checkpoint format in " in proc.stdout
+    assert f" s: {copy} (load_state reuses it under any ZeRO stage, number of processes and offload)" in proc.stdout
+    record = "accel_ds_fix-conversion.json"
+    assert {k: v for k, v in digests(copy).items() if k != record} == {k: v for k, v in made_by_load.items() if k != record}
+    again = run([sys.executable, "-m", "accel_ds_fix", "convert-checkpoint", ckpt], env=clean_env())
+    assert f"{copy} is already the universal copy of {ckpt}: nothing to do" in again.stdout
 
     # Another precision: refused before anything is loaded, saying what differs and what to do.
     _, stderr = train(tmp_path, "fp32", "zero2", 1, "--mixed-precision", "no", "--resume", ckpt, "--first-step", "4",

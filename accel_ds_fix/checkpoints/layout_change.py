@@ -327,6 +327,25 @@ def _prepared(accelerator, directory, tag, saved, current):
     return folder
 
 
+def convert_ahead(directory, tag="pytorch_model"):
+    """`python -m accel_ds_fix convert-checkpoint DIR`: the universal copy made before the run that resumes it (the
+    converter holds one rank's optimizer states file in host memory, which a run short of RAM has not to spare).
+    Returns (folder, seconds, reused)."""
+    from . import crash_safe
+
+    crash_safe.check_whole(directory)
+    if manifest.read(directory) is None:
+        raise CheckpointError(f"accel_ds_fix: {directory} has no {manifest.FILENAME}: it was not saved by "
+                              "accelerator.save_state() with models merged by accel_ds_fix; nothing to convert.")
+    if not os.path.isdir(os.path.join(directory, tag)):
+        raise CheckpointError(f"accel_ds_fix: {directory} has no DeepSpeed checkpoint {tag}/ (give --tag: the "
+                              "engine's folder inside it); nothing was written.")
+    digest = _source_digest(directory)
+    if _reusable(converted_path(directory), digest, tag):
+        return converted_path(directory), 0.0, True
+    return converted_path(directory), _convert(directory, tag, digest), False
+
+
 # ---- the load ---------------------------------------------------------------------------------------------------
 
 

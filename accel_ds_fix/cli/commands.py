@@ -229,6 +229,24 @@ def _get_libaio(folder):
     return 0
 
 
+def _convert_checkpoint(folder, tag):
+    from ..checkpoints import layout_change
+    from ..errors import CheckpointError
+
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout
+            converted, seconds, reused = layout_change.convert_ahead(folder, tag)
+    except CheckpointError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    if reused:
+        print(f"{converted} is already the universal copy of {folder}: nothing to do")
+    else:
+        print(f"converted {folder} to DeepSpeed's universal checkpoint format in {seconds:.1f} s: {converted} "
+              "(load_state reuses it under any ZeRO stage, number of processes and offload)")
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m accel_ds_fix",
                                      description="Without a command: report whether the fix is active here.")
@@ -244,7 +262,19 @@ def main(argv=None):
                                        "or loads its async_io op. Nothing to do where the system has libaio.")
     fetch.add_argument("folder", nargs="?", metavar="DIR",
                        help=f"where to unpack (default: ${libaio.ENV}, else {libaio.default_folder()})")
+    convert = sub.add_parser("convert-checkpoint", help="convert a save_state folder for another DeepSpeed layout, "
+                                                        "before the run that resumes it",
+                             description="Write the universal copy (.accel_ds_fix-universal.DIR beside DIR) that "
+                                         "load_state would write when resuming DIR under another ZeRO stage, "
+                                         "number of processes or optimizer offload; that run then reuses it. For "
+                                         "runs short of host memory: the conversion holds one rank's optimizer "
+                                         "states file in memory.")
+    convert.add_argument("folder", metavar="DIR", help="a folder accelerator.save_state() wrote")
+    convert.add_argument("--tag", default="pytorch_model", help="the engine's checkpoint inside it (default "
+                                                               "pytorch_model)")
     args = parser.parse_args(argv)
+    if args.command == "convert-checkpoint":
+        return _convert_checkpoint(args.folder, args.tag)
     if args.command == "get-libaio":
         return _get_libaio(args.folder)
     if args.command == "build-ops":
