@@ -102,9 +102,10 @@ def test_zero2_checkpoint_resumes_under_zero3_with_its_states_and_another_precis
     _, stderr = train(tmp_path, "fp32", "zero2", 1, "--mixed-precision", "no", "--resume", ckpt, "--first-step", "4",
                       "--steps", "1", check=False)
     assert (f"accel_ds_fix: cannot resume from {ckpt} in this layout: it was saved under ZeRO-2, 1 process, bf16, this "
-            "run is ZeRO-2, 1 process, fp32 (precision bf16 -> fp32). Its optimizer states belong to bf16 training "
-            "(the master weights and Adam states of bf16, with its loss scaling), and no conversion to fp32 keeps "
-            "them. Nothing was loaded. Resume with --mixed_precision bf16, or export the weights") in stderr
+            "run is ZeRO-2, 1 process, fp32 (precision bf16 -> fp32). Layouts convert within one precision only: "
+            "DeepSpeed's bf16 optimizer wrote these states (bf16's in files of their own, fp16's with its loss scale), "
+            "and its fp32 optimizer does not load them. Nothing was loaded. Resume with --mixed_precision bf16, or "
+            "export the weights") in stderr
     assert "step 4:" not in stderr
 
 

@@ -90,11 +90,11 @@ def check(directory, saved, current):
             f"{describe(saved)}, this run is {describe(current)} ({'; '.join(differs)}).")
     if saved["precision"] != current["precision"]:
         raise CheckpointError(
-            f"{head} Its optimizer states belong to {saved['precision']} training (the master weights and Adam "
-            f"states of {saved['precision']}, with its loss scaling), and no conversion to {current['precision']} "
-            f"keeps them. Nothing was loaded. Resume with --mixed_precision {saved['precision']}, or export the "
-            "weights (accelerator.save_model, or zero_to_fp32.py in the checkpoint) and start a new optimizer "
-            f"from them under {current['precision']}."
+            f"{head} Layouts convert within one precision only: DeepSpeed's {saved['precision']} optimizer wrote "
+            f"these states (bf16's in files of their own, fp16's with its loss scale), and its "
+            f"{current['precision']} optimizer does not load them. Nothing was loaded. Resume with --mixed_precision "
+            f"{saved['precision']}, or export the weights (accelerator.save_model, or zero_to_fp32.py in the "
+            f"checkpoint) and start a new optimizer from them under {current['precision']}."
         )
     for layout in (saved, current):
         if layout["zero_stage"] not in (1, 2, 3):
