@@ -149,6 +149,18 @@ def test_round_trip_through_two_processes_zero3_and_nvme_keeps_every_state(tmp_p
     assert len(said(stderr, "resumed from its universal copy")) == 1 and not said(stderr, "converted it to")
 
 
+def test_frozen_text_encoder_round_trip_zero2_zero3_zero2(tmp_path):
+    # The frozen model has no optimizer states: the converter writes its weights only, the loads leave it as built.
+    frozen = ["--freeze-text-encoder"]
+    uninterrupted, _ = train(tmp_path, "zero2", "zero2", 1, *frozen, "--steps", "7", "--save-state", tmp_path / "ckpt",
+                             "--save-state-at", "4")
+    train(tmp_path, "hop", "zero3", 1, *frozen, "--resume", tmp_path / "ckpt", "--first-step", "4", "--steps", "0",
+          "--save-state", tmp_path / "zero3-ckpt")
+    back, stderr = train(tmp_path, "back", "zero2", 1, *frozen, "--resume", tmp_path / "zero3-ckpt", "--first-step",
+                         "4", "--steps", "3")
+    assert back == uninterrupted[4:], stderr[-3000:]
+
+
 @pytest.mark.parametrize("args, words", [
     (["--gpu-memory", "6"], "argument --gpu-memory: '6' has no unit: write 6GiB (or 6GB, 6g; MiB, MB, m and TiB, TB, "
                             "t work too)"),

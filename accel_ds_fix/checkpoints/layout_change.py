@@ -241,6 +241,8 @@ def _complete(output_tag):
             torch.save(step, path)
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
             path = os.path.join(zero, p, f"{key}.pt")
+            if not os.path.isfile(path):
+                continue  # a frozen parameter: the converter wrote its weight only
             saved = torch.load(path, map_location="cpu", weights_only=False)
             if torch.is_tensor(saved):  # ZeRO-3's converter: flat; the ZeRO-1/2 loader wants it shaped, in a dict
                 torch.save({"param": saved.view(shapes[p]), "cat_dim": 0}, path)
