@@ -3,6 +3,7 @@ processes (gloo), CPU offload <-> NVMe offload <-> none, through a universal cop
 precision is refused before anything is loaded. examples/train_two_models.py, bf16, on the CPU."""
 
 import hashlib
+import importlib.metadata
 import json
 import shutil
 import sys
@@ -52,7 +53,9 @@ def said(stderr, words):
 def test_zero2_checkpoint_resumes_under_zero3_with_its_states_and_another_precision_is_refused(tmp_path):
     ckpt = tmp_path / "ckpt"
     uninterrupted, _ = train(tmp_path, "zero2", "zero2", 1, "--steps", "8", "--save-state", ckpt, "--save-state-at", "4")
-    layout = json.loads((ckpt / "accel_ds_fix.json").read_text())["layout"]
+    saved = json.loads((ckpt / "accel_ds_fix.json").read_text())
+    layout = saved["layout"]
+    assert saved["format"] == 4 and layout["deepspeed"] == importlib.metadata.version("deepspeed")
     assert {k: v for k, v in layout.items() if k != "deepspeed"} == {
         "zero_stage": 2, "world_size": 1, "offload_optimizer": "none", "offload_param": "none", "precision": "bf16"}
     before = digests(ckpt)
