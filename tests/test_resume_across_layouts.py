@@ -171,7 +171,7 @@ def test_frozen_text_encoder_round_trip_zero2_zero3_zero2(tmp_path):
     (["--write", "/proc/nope"], "cannot write the config into /proc/nope: No such file or directory; give a folder "
                                 "you can write (it is made where missing)"),
     (["--write", "FILE/configs"], "argument --write: cannot write into FILE/configs: FILE is a file, not a folder"),
-])
+], ids=["size-without-unit", "zero-parameters", "write-into-proc", "write-under-a-file"])
 def test_plan_refuses_bad_input_in_one_line(tmp_path, args, words):
     (tmp_path / "a-file").write_text("")
     args, words = [a.replace("FILE", str(tmp_path / "a-file")) for a in args], words.replace("FILE", str(tmp_path / "a-file"))
