@@ -52,7 +52,8 @@ def said(stderr, words):
 
 def test_zero2_checkpoint_resumes_under_zero3_with_its_states_and_another_precision_is_refused(tmp_path):
     ckpt = tmp_path / "ckpt"
-    uninterrupted, _ = train(tmp_path, "zero2", "zero2", 1, "--steps", "8", "--save-state", ckpt, "--save-state-at", "4")
+    uninterrupted, _ = train(tmp_path, "zero2", "zero2", 1, "--steps", "8", "--save-state", ckpt,
+                             "--save-state-at", "4")
     saved = json.loads((ckpt / "accel_ds_fix.json").read_text())
     layout = saved["layout"]
     assert saved["format"] == 4 and layout["deepspeed"] == importlib.metadata.version("deepspeed")
@@ -97,7 +98,8 @@ def test_zero2_checkpoint_resumes_under_zero3_with_its_states_and_another_precis
     assert f"converted {ckpt} to DeepSpeed's universal checkpoint format in " in proc.stdout
     assert f" s: {copy} (load_state reuses it under any ZeRO stage, number of processes and offload)" in proc.stdout
     record = "accel_ds_fix-conversion.json"
-    assert {k: v for k, v in digests(copy).items() if k != record} == {k: v for k, v in made_by_load.items() if k != record}
+    without_record = {k: v for k, v in made_by_load.items() if k != record}
+    assert {k: v for k, v in digests(copy).items() if k != record} == without_record
     again = run([sys.executable, "-m", "accel_ds_fix", "convert-checkpoint", ckpt], env=clean_env())
     assert f"{copy} is already the universal copy of {ckpt}: nothing to do" in again.stdout
 
@@ -115,9 +117,9 @@ def test_zero2_checkpoint_resumes_under_zero3_with_its_states_and_another_precis
 def test_round_trip_through_two_processes_zero3_and_nvme_keeps_every_state(tmp_path, request):
     """1 process ZeRO-2 + CPU offload -> 2 processes ZeRO-3 -> 1 process ZeRO-3 with weights and optimizer on the
     CPU (zero3-offload) -> (1 process ZeRO-3 + NVMe -> 2 processes ZeRO-3 + NVMe, where NVMe runs here) -> 2
-    processes ZeRO-2 -> 1 process ZeRO-2 + CPU offload, each hop loading the previous hop's checkpoint in another layout and saving it
-    again without a step: the last one continues exactly as the uninterrupted run. Width 512: NVMe offload swaps
-    the sub groups out (over aio's 1 MiB)."""
+    processes ZeRO-2 -> 1 process ZeRO-2 + CPU offload, each hop loading the previous hop's checkpoint in another
+    layout and saving it again without a step: the last one continues exactly as the uninterrupted run. Width 512:
+    NVMe offload swaps the sub groups out (over aio's 1 MiB)."""
     wide = ["--width", "512"]
     first = tmp_path / "first"
     uninterrupted, _ = train(tmp_path, "first", "zero2-offload", 1, *wide, "--steps", "7", "--save-state", first,
@@ -175,7 +177,8 @@ def test_frozen_text_encoder_round_trip_zero2_zero3_zero2(tmp_path):
 ], ids=["size-without-unit", "zero-parameters", "write-into-proc", "write-under-a-file"])
 def test_plan_refuses_bad_input_in_one_line(tmp_path, args, words):
     (tmp_path / "a-file").write_text("")
-    args, words = [a.replace("FILE", str(tmp_path / "a-file")) for a in args], words.replace("FILE", str(tmp_path / "a-file"))
+    a_file = str(tmp_path / "a-file")
+    args, words = [a.replace("FILE", a_file) for a in args], words.replace("FILE", a_file)
     given = {"--params": "983M", "--gpu-memory": "6GiB", "--host-memory": "15GiB"}
     given.update(dict(zip(args[::2], args[1::2])))
     command = [sys.executable, "-m", "accel_ds_fix", "plan"]

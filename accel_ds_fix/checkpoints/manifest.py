@@ -9,8 +9,9 @@ from ..errors import MergeError
 from ..merge.trainability import frozen_names
 
 FILENAME = "accel_ds_fix.json"
-FORMAT = 4  # 2 added "frozen": the parameters DeepSpeed stored as frozen; 3 "files" (checkpoints/crash_safe.py) and "kept";
+# 2 added "frozen": the parameters DeepSpeed stored as frozen; 3 "files" (checkpoints/crash_safe.py) and "kept";
 # 4 "layout": the DeepSpeed layout it was saved under (checkpoints/layout_change.py)
+FORMAT = 4
 
 
 def _shape(param):

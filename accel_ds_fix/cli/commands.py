@@ -72,7 +72,8 @@ def _plan_parser(sub):
     p = sub.add_parser("plan", help="which shipped DeepSpeed config fits a model on a machine",
                        description="Predict each shipped tier's GPU, host and NVMe needs, say which fit, recommend one.")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--params", type=_parameter_count, help="parameters passed to prepare(), e.g. 983M (SD1.5 UNet + text encoder)")
+    what.add_argument("--params", type=_parameter_count,
+                      help="parameters passed to prepare(), e.g. 983M (SD1.5 UNet + text encoder)")
     what.add_argument("--model", help="a diffusers pipeline folder (its unet and text encoders are counted), a "
                                       "transformers/diffusers model folder, or a .safetensors file")
     p.add_argument("--trainable", type=_parameter_count, help="trainable parameters, if fewer than all (default: all)")
@@ -83,14 +84,16 @@ def _plan_parser(sub):
     p.add_argument("--mixed-precision", default="fp16", choices=["fp16", "bf16", "no"])
     p.add_argument("--num-processes", type=_positive_int, default=1, help="data-parallel processes (GPUs)")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
-    p.add_argument("--write", metavar="DIR", type=_writable_folder, help="write the recommended (or --tier) config pair into DIR")
+    p.add_argument("--write", metavar="DIR", type=_writable_folder,
+                   help="write the recommended (or --tier) config pair into DIR")
     p.add_argument("--tier", choices=[t.name for t in tiers.TIERS], help="the tier to write instead")
     p.add_argument("--nvme-path",
                    help="folder on an NVMe disk for the zero3-nvme tier's optimizer states (default "
                         f"{tiers.DEFAULT_NVME_PATH}); given, its read and write speed is measured (a few seconds) "
                         "and the tier's time a step predicted")
-    p.add_argument("--steps", type=_positive_int, help="optimizer steps of the run (kohya's --max_train_steps): hours and "
-                                             "bytes written to the SSD for the NVMe tier")
+    p.add_argument("--steps", type=_positive_int,
+                   help="optimizer steps of the run (kohya's --max_train_steps): hours and bytes written to the SSD "
+                        "for the NVMe tier")
     p.add_argument("--compute-seconds", type=float, default=disk_speed.DEFAULT_COMPUTE_SECONDS,
                    help="seconds of a training step outside the disk (forward, backward, CPU Adam; default "
                         f"{disk_speed.DEFAULT_COMPUTE_SECONDS}: SD1.5 at 512 px on a datacenter GPU with a 16-core host; a "
