@@ -269,17 +269,21 @@ def _convert(directory, tag, digest):
         if os.path.lexists(leftover):
             shutil.rmtree(leftover)  # a conversion killed half-way, one of an earlier checkpoint there or one gone
     os.makedirs(work)
-    source_tag = os.path.join(directory, tag)
-    if os.path.isdir(os.path.join(source_tag, "offloaded_tensors")):
-        staged = os.path.join(work, "nvme-filled", tag)
-        _fill_swapped(source_tag, staged)
-        source_tag = staged
-    output_tag = os.path.join(work, tag)
-    _run_converter(source_tag, output_tag)
-    shutil.rmtree(os.path.join(work, "nvme-filled"), ignore_errors=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(work, "latest_universal"))  # the converter's; the load names the tag itself
-    _complete(output_tag)
+    try:
+        source_tag = os.path.join(directory, tag)
+        if os.path.isdir(os.path.join(source_tag, "offloaded_tensors")):
+            staged = os.path.join(work, "nvme-filled", tag)
+            _fill_swapped(source_tag, staged)
+            source_tag = staged
+        output_tag = os.path.join(work, tag)
+        _run_converter(source_tag, output_tag)
+        shutil.rmtree(os.path.join(work, "nvme-filled"), ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(work, "latest_universal"))  # the converter's; the load names the tag itself
+        _complete(output_tag)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)  # a failed or interrupted conversion leaves nothing half-written
+        raise
     seconds = time.monotonic() - started
     record = {"source": digest, "tag": tag, "seconds": round(seconds, 3)}
     with open(os.path.join(work, RECORD), "w", encoding="utf-8") as f:
