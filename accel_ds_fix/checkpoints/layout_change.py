@@ -63,6 +63,30 @@ def of_engine(engine):
     }
 
 
+def of_checkpoint(directory, tag, recorded):
+    """The layout a checkpoint was saved under: as its manifest records it, else (saved before the manifest had
+    it) as DeepSpeed's model-states file says (its config and process count); None where neither tells."""
+    if recorded is not None:
+        return recorded
+    names = sorted(glob.glob(os.path.join(directory, tag, "*mp_rank_00_model_states.pt")))
+    if not names:
+        return None
+    try:  # mmap: the file holds the ZeRO-1/2 weights too
+        states = torch.load(names[0], map_location="cpu", weights_only=False, mmap=True)
+        config = states["ds_config"]
+        zero = config.get("zero_optimization", {})
+        enabled = {key: (config.get(key) or {}).get("enabled", False) for key in ("bf16", "fp16")}
+        if not all(isinstance(value, bool) for value in enabled.values()):
+            return None  # "auto" left in: the precision cannot be told
+        precision = "bf16" if enabled["bf16"] else "fp16" if enabled["fp16"] else "fp32"
+        return {"zero_stage": int(zero.get("stage", 0)), "world_size": int(states["dp_world_size"]),
+                "offload_optimizer": str((zero.get("offload_optimizer") or {}).get("device") or "none"),
+                "offload_param": str((zero.get("offload_param") or {}).get("device") or "none"),
+                "precision": precision, "deepspeed": str(states.get("ds_version"))}
+    except Exception:  # noqa: BLE001 - an unreadable or unexpected file: DeepSpeed's own load says what is wrong
+        return None
+
+
 def describe(layout):
     processes = f"{layout['world_size']} process" + ("es" if layout["world_size"] != 1 else "")
     where = {"none": "", "cpu": ", optimizer on the CPU", "nvme": ", optimizer on NVMe"}[layout["offload_optimizer"]]

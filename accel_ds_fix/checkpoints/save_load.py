@@ -214,7 +214,9 @@ def load_state(wrapped, instance, args, kwargs):
     if directory is None or not os.path.isdir(directory):
         return wrapped(*args, **kwargs)  # accelerate's own handling, and its own error for a missing folder
     saved = manifest.check(directory, engine.module)
-    layout_change.check(directory, saved["layout"], layout_change.of_engine(engine))  # a refusal before the hooks
+    tag = _checkpoint_tag(instance, engine)
+    saved_layout = layout_change.of_checkpoint(directory, tag, saved["layout"])
+    layout_change.check(directory, saved_layout, layout_change.of_engine(engine))  # a refusal before the hooks
     trainability.warn_if_changed(engine)
     hooks = list(getattr(instance, "_load_model_state_pre_hook", {}).values())
     if hooks:
@@ -222,8 +224,7 @@ def load_state(wrapped, instance, args, kwargs):
         with _models_built_whole():
             for hook in hooks:
                 hook(models, directory)
-    tag = _checkpoint_tag(instance, engine)
-    with layout_change.resumed(instance, engine, directory, tag, saved["layout"]) as converted:
+    with layout_change.resumed(instance, engine, directory, tag, saved_layout) as converted:
         with _hooks_replaced(instance, "_load_model_state_pre_hook", lambda hook: _already_called):
             with trainability.as_saved(engine.module, saved["frozen"]):
                 # the folder checked, also where accelerate would pick it (automatic naming: the highest number)
