@@ -27,7 +27,7 @@ _CHUNK = 16 << 20
 
 def is_temporary(name):
     # A prefix, not a suffix: scripts sort their checkpoint-N folders by int(name.split("-")[1]) (diffusers).
-    # A checkpoint's universal copy (layout_change.py) is no checkpoint either.
+    # A checkpoint's universal copy (universal_copy.py) is no checkpoint either.
     return name.startswith((PARTIAL, OLD, ".accel_ds_fix-universal.", ".accel_ds_fix-converting."))
 
 
