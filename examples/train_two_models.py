@@ -81,6 +81,8 @@ def parse_args():
     p.add_argument("--first-step", type=int, default=0, help="batch to start from (after --resume)")
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--width", type=int, default=WIDTH, help="the models' hidden width (512: sub groups large "
+                                                            "enough that NVMe offload swaps them)")
     p.add_argument("--freeze-text-encoder", action="store_true", help="train the unet only (text encoder frozen)")
     p.add_argument("--reference", action="store_true", help="train through a hand-written merged module")
     p.add_argument("--save-state", help="accelerator.save_state() here after the last step")
@@ -157,6 +159,8 @@ def make_data(args, process_index, num_processes):
 
 def main():
     args = parse_args()
+    global WIDTH
+    WIDTH = args.width  # read by the models' constructors
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     logging.getLogger("accel_ds_fix").setLevel(logging.INFO)
     single_process_env()

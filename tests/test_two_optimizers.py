@@ -118,6 +118,13 @@ def test_vqgan_save_state_and_resume(tmp_path):
     exported = load_file(str(tmp_path / "exported" / "model.safetensors"))
     assert sorted(exported) == sorted(first["weights"]["second"])  # the model's own keys, no engine prefix
     assert exported["head.weight"].tolist() == first["weights"]["second"]["head.weight"]
+    # several engines' checkpoint under another layout: refused before anything loads (no conversion for them)
+    _, proc = pattern(tmp_path, "vqgan", "--deepspeed", "--zero-stage", "1", "--accumulation", "2", "--steps", "4",
+                      "--resume", str(ckpt), check=False)
+    assert proc.returncode != 0
+    assert ("holds 2 DeepSpeed engines (one per optimizer: pytorch_model, pytorch_model_1) saved under ZeRO-2, "
+            "1 process, fp32, and this run is ZeRO-1, 1 process, fp32") in proc.stderr
+    assert "Nothing was loaded" in proc.stderr
 
 
 def test_what_one_engine_per_optimizer_cannot_train_is_refused(tmp_path):

@@ -1,5 +1,7 @@
 """Checkpoints of merged engines: save_state / load_state (save_load), their crash safety (crash_safe), the
-manifest written beside DeepSpeed's files, what ZeRO-3 + NVMe resume needs, and per-model weight exports.
+manifest written beside DeepSpeed's files, what ZeRO-3 + NVMe resume needs, resuming under another DeepSpeed
+layout (layout_change, and universal_copy: DeepSpeed's universal checkpoint format written beside a checkpoint),
+and per-model weight exports.
 
 May use the top-level modules and merge (the proxy, which parameters DeepSpeed trains).
 """

@@ -27,7 +27,8 @@ _CHUNK = 16 << 20
 
 def is_temporary(name):
     # A prefix, not a suffix: scripts sort their checkpoint-N folders by int(name.split("-")[1]) (diffusers).
-    return name.startswith((PARTIAL, OLD))
+    # A checkpoint's universal copy (universal_copy.py) is no checkpoint either.
+    return name.startswith((PARTIAL, OLD, ".accel_ds_fix-universal.", ".accel_ds_fix-converting."))
 
 
 def _beside(target, prefix):

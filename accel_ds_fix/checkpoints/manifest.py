@@ -9,7 +9,9 @@ from ..errors import MergeError
 from ..merge.trainability import frozen_names
 
 FILENAME = "accel_ds_fix.json"
-FORMAT = 3  # 2 added "frozen": the parameters DeepSpeed stored as frozen; 3 "files" (checkpoints/crash_safe.py) and "kept"
+# 2 added "frozen": the parameters DeepSpeed stored as frozen; 3 "files" (checkpoints/crash_safe.py) and "kept";
+# 4 "layout": the DeepSpeed layout it was saved under (checkpoints/layout_change.py)
+FORMAT = 4
 
 
 def _shape(param):
@@ -27,13 +29,16 @@ def describe(merged):
     }
 
 
-def write(directory, merged, files, kept=()):
+def write(directory, merged, files, kept=(), layout=None):
     """Written last by a save: ``files`` {relative path: {"size", "sha256"}} is every file of the checkpoint;
-    ``kept`` the top-level entries of the script's own that the save found in the folder and left there."""
+    ``kept`` the top-level entries of the script's own that the save found in the folder and left there;
+    ``layout`` the DeepSpeed layout it was saved under (checkpoints/layout_change.py)."""
     content = {"format": FORMAT, "models": describe(merged), "frozen": frozen_names(merged), "files": files,
                "kept": list(kept)}
     if hasattr(merged, "engines"):  # one engine per optimizer: which DeepSpeed checkpoint holds which models
         content["engines"] = merged.engines
+    if layout is not None:
+        content["layout"] = layout
     with open(os.path.join(directory, FILENAME), "w", encoding="utf-8") as f:
         json.dump(content, f)
         f.flush()
@@ -87,7 +92,7 @@ def check(directory, merged):
             f"{_summary(current)}. " + "; ".join(problems) + ". Nothing was loaded. Pass the same models, in the "
             "same order, to accelerator.prepare() as the run that saved it."
         )
-    return {"frozen": content.get("frozen")}
+    return {"frozen": content.get("frozen"), "layout": content.get("layout")}
 
 
 def automatic_checkpoint(project_dir):

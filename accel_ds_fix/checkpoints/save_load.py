@@ -18,7 +18,7 @@ import re
 import shutil
 import sys
 
-from . import crash_safe, manifest, nvme_resume
+from . import crash_safe, layout_change, manifest, nvme_resume
 from ..merge import trainability
 from ..gather import copied_by_hook, shards
 from ..lookup import merged_engines
@@ -152,7 +152,9 @@ def save_state(wrapped, instance, args, kwargs):
             return wrapped(folder, *args[1:], **rest)
 
     def write_manifest(folder, files, kept):
-        manifest.write(folder, merged_view(engines, lambda e: _checkpoint_tag(instance, e)), files, kept)
+        # every engine of one prepare() trains under the same DeepSpeed config: one layout
+        merged = merged_view(engines, lambda e: _checkpoint_tag(instance, e))
+        manifest.write(folder, merged, files, kept, layout_change.of_engine(engines[0]))
 
     location = crash_safe.save(instance, target, save_into, write_manifest)
     return type(location)(target) if isinstance(location, (str, os.PathLike)) else location
@@ -217,6 +219,11 @@ def load_state(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)  # accelerate's own handling, and its own error for a missing folder
     merged = merged_view(engines, lambda e: _checkpoint_tag(instance, e))
     saved = manifest.check(directory, merged)
+    tags = [_checkpoint_tag(instance, engine) for engine in engines]
+    saved_layout = layout_change.of_checkpoint(directory, tags[0], saved["layout"])
+    # refusals before the hooks: what cannot be converted, and (for now) any conversion of several engines
+    if layout_change.check(directory, saved_layout, layout_change.of_engine(engines[0])) and len(engines) > 1:
+        layout_change.refuse_several_engines(directory, saved_layout, layout_change.of_engine(engines[0]), tags)
     for engine in engines:
         trainability.warn_if_changed(engine)
     hooks = list(getattr(instance, "_load_model_state_pre_hook", {}).values())
@@ -225,13 +232,16 @@ def load_state(wrapped, instance, args, kwargs):
         with _models_built_whole():
             for hook in hooks:
                 hook(models, directory)
-    with _hooks_replaced(instance, "_load_model_state_pre_hook", lambda hook: _already_called):
-        with trainability.as_saved(merged, saved["frozen"]):
-            # the folder checked, also where accelerate would pick it (automatic naming: the highest number)
-            rest = {k: v for k, v in kwargs.items() if k != "input_dir"}
-            result = wrapped(directory, *args[1:], **rest)
-    for engine in engines:
-        nvme_resume.restore_unswapped(engine, directory, _checkpoint_tag(instance, engine))
+    # several engines reach here only in the layout that saved them (refused above otherwise): nothing converted
+    with layout_change.resumed(instance, engines[0], directory, tags[0], saved_layout) as converted:
+        with _hooks_replaced(instance, "_load_model_state_pre_hook", lambda hook: _already_called):
+            with trainability.as_saved(merged, saved["frozen"]):
+                # the folder checked, also where accelerate would pick it (automatic naming: the highest number)
+                rest = {k: v for k, v in kwargs.items() if k != "input_dir"}
+                result = wrapped(directory, *args[1:], **rest)
+    if not converted:  # a universal copy holds every sub group's states: nothing skipped to restore
+        for engine, tag in zip(engines, tags):
+            nvme_resume.restore_unswapped(engine, directory, tag)
     return result
 
 

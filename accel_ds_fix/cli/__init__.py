@@ -1,4 +1,5 @@
-"""The command line (``python -m accel_ds_fix``: report, plan, build-ops, get-libaio): argument parsing and
+"""The command line (``python -m accel_ds_fix``: report, plan, build-ops, get-libaio,
+convert-checkpoint): argument parsing and
 printing only; every answer comes from the library.
 
 May use every part.

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 
 from . import report
@@ -17,29 +18,82 @@ from ..ops import libaio, builds
 GIB = memory_model.GIB
 
 
+def _memory_size(text):
+    """argparse type of --gpu-memory, --host-memory, --activations: a size with its unit (a bare number would be
+    read as bytes: `--gpu-memory 6` planned for a card of 6 bytes)."""
+    if re.fullmatch(r"\s*[0-9.]+\s*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} has no unit: write {text.strip()}GiB (or {text.strip()}GB, "
+                                         f"{text.strip()}g; MiB, MB, m and TiB, TB, t work too)")
+    try:
+        size = advice.parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a memory size must be more than 0")
+    return text
+
+
+def _parameter_count(text):
+    """argparse type of --params, --trainable: a positive count (983M, 1.1B, 860000000)."""
+    try:
+        count = advice.parse_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if count <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a parameter count must be more than 0 (examples: 983M, 1.1B)")
+    return text
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be 1 or more")
+    return value
+
+
+def _writable_folder(text):
+    """argparse type of --write: a folder that can be written, or made (its nearest existing parent checked before
+    the plan, so a typo costs no measurement; what only the write can tell, /proc, is one line from _write)."""
+    existing = os.path.abspath(os.path.expanduser(text))
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise argparse.ArgumentTypeError(f"cannot write into {text}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write into {text}: {existing} is not writable by this user; "
+                                         "give a folder you can write (it is made where missing)")
+    return text
+
+
 def _plan_parser(sub):
     p = sub.add_parser("plan", help="which shipped DeepSpeed config fits a model on a machine",
                        description="Predict each shipped tier's GPU, host and NVMe needs, say which fit, recommend one.")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--params", help="parameters passed to prepare(), e.g. 983M (SD1.5 UNet + text encoder)")
+    what.add_argument("--params", type=_parameter_count,
+                      help="parameters passed to prepare(), e.g. 983M (SD1.5 UNet + text encoder)")
     what.add_argument("--model", help="a diffusers pipeline folder (its unet and text encoders are counted), a "
                                       "transformers/diffusers model folder, or a .safetensors file")
-    p.add_argument("--trainable", help="trainable parameters, if fewer than all (default: all)")
-    p.add_argument("--gpu-memory", help="the card's memory, e.g. 6GiB (default: detected)")
-    p.add_argument("--host-memory", help="the machine's RAM, e.g. 16GiB (default: detected)")
-    p.add_argument("--activations", default="0.42GiB",
+    p.add_argument("--trainable", type=_parameter_count, help="trainable parameters, if fewer than all (default: all)")
+    p.add_argument("--gpu-memory", type=_memory_size, help="the card's memory, e.g. 6GiB (default: detected)")
+    p.add_argument("--host-memory", type=_memory_size, help="the machine's RAM, e.g. 16GiB (default: detected)")
+    p.add_argument("--activations", default="0.42GiB", type=_memory_size,
                    help="activation memory at the peak (default 0.42GiB: SD1.5, 512 px, batch 1, gradient checkpointing)")
     p.add_argument("--mixed-precision", default="fp16", choices=["fp16", "bf16", "no"])
-    p.add_argument("--num-processes", type=int, default=1, help="data-parallel processes (GPUs)")
+    p.add_argument("--num-processes", type=_positive_int, default=1, help="data-parallel processes (GPUs)")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
-    p.add_argument("--write", metavar="DIR", help="write the recommended (or --tier) config pair into DIR")
+    p.add_argument("--write", metavar="DIR", type=_writable_folder,
+                   help="write the recommended (or --tier) config pair into DIR")
     p.add_argument("--tier", choices=[t.name for t in tiers.TIERS], help="the tier to write instead")
     p.add_argument("--nvme-path",
                    help="folder on an NVMe disk for the zero3-nvme tier's optimizer states (default "
                         f"{tiers.DEFAULT_NVME_PATH}); given, its read and write speed is measured (a few seconds) "
                         "and the tier's time a step predicted")
-    p.add_argument("--steps", type=int, help="optimizer steps of the run (kohya's --max_train_steps): hours and "
-                                             "bytes written to the SSD for the NVMe tier")
+    p.add_argument("--steps", type=_positive_int,
+                   help="optimizer steps of the run (kohya's --max_train_steps): hours and bytes written to the SSD "
+                        "for the NVMe tier")
     p.add_argument("--compute-seconds", type=float, default=disk_speed.DEFAULT_COMPUTE_SECONDS,
                    help="seconds of a training step outside the disk (forward, backward, CPU Adam; default "
                         f"{disk_speed.DEFAULT_COMPUTE_SECONDS}: SD1.5 at 512 px on a datacenter GPU with a 16-core host; a "
@@ -96,7 +150,8 @@ def _write(tier_name, folder, nvme_path):
     try:
         return tiers.write(tiers.BY_NAME[tier_name], folder, nvme_path=nvme_path)
     except OSError as exc:
-        raise ValueError(f"cannot write the config into {folder}: {exc.strerror}") from exc
+        raise ValueError(f"cannot write the config into {folder}: {exc.strerror}; give a folder you can write "
+                         "(it is made where missing)") from exc
 
 
 def _nvme_timing(args, work, rows):
@@ -177,6 +232,24 @@ def _get_libaio(folder):
     return 0
 
 
+def _convert_checkpoint(folder, tag):
+    from ..checkpoints import universal_copy
+    from ..errors import CheckpointError
+
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout
+            converted, seconds, reused = universal_copy.convert_ahead(folder, tag)
+    except CheckpointError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    if reused:
+        print(f"{converted} is already the universal copy of {folder}: nothing to do")
+    else:
+        print(f"converted {folder} to DeepSpeed's universal checkpoint format in {seconds:.1f} s: {converted} "
+              "(load_state reuses it under any ZeRO stage, number of processes and offload)")
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m accel_ds_fix",
                                      description="Without a command: report whether the fix is active here.")
@@ -192,7 +265,19 @@ def main(argv=None):
                                        "or loads its async_io op. Nothing to do where the system has libaio.")
     fetch.add_argument("folder", nargs="?", metavar="DIR",
                        help=f"where to unpack (default: ${libaio.ENV}, else {libaio.default_folder()})")
+    convert = sub.add_parser("convert-checkpoint", help="convert a save_state folder for another DeepSpeed layout, "
+                                                        "before the run that resumes it",
+                             description="Write the universal copy (.accel_ds_fix-universal.DIR beside DIR) that "
+                                         "load_state would write when resuming DIR under another ZeRO stage, "
+                                         "number of processes or optimizer offload; that run then reuses it. For "
+                                         "runs short of host memory: the conversion holds one rank's optimizer "
+                                         "states file in memory.")
+    convert.add_argument("folder", metavar="DIR", help="a folder accelerator.save_state() wrote")
+    convert.add_argument("--tag", default="pytorch_model", help="the engine's checkpoint inside it (default "
+                                                               "pytorch_model)")
     args = parser.parse_args(argv)
+    if args.command == "convert-checkpoint":
+        return _convert_checkpoint(args.folder, args.tag)
     if args.command == "get-libaio":
         return _get_libaio(args.folder)
     if args.command == "build-ops":

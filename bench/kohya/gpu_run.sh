@@ -63,6 +63,16 @@ for run in $RUNS; do
         R)   st=$(ls -d "$OUTD"/A/*000001-state 2>/dev/null | head -1)
              [ -n "$st" ] && COMPARE_WITH="$OUTD/A/last" kohya R accelerate_zero3_nvme.yaml newest 600 --resume "$st" --max_train_steps $((STEPS - 2))
              rm -rf "$OUTD/A"/*-state ;;
+        # issue 20: a state saved under zero2-offload resumed under zero3-nvme (the move when RAM is short): the
+        # resume converts it (one "converted it to DeepSpeed's universal checkpoint format in N s" line in ZR.log)
+        ZA)  kohya ZA accelerate_zero2_offload.yaml newest 600 --max_train_steps $STEPS --save_state --save_every_n_epochs 1 \
+                 --save_last_n_epochs 1 --save_last_n_epochs_state 1
+             rm -rf "$OUTD/ZA/last-state" ;;
+        ZR)  st=$(ls -d "$OUTD"/ZA/*000001-state 2>/dev/null | head -1)
+             [ -n "$st" ] && COMPARE_WITH="$OUTD/ZA/last" kohya ZR accelerate_zero3_nvme.yaml newest 900 --resume "$st" --max_train_steps $((STEPS - 2))
+             [ -n "$st" ] && du -sh "$(dirname "$st")"/.accel_ds_fix-universal.* | tee -a "$L/summary.txt"
+             grep -h "universal checkpoint format\|universal copy" "$L/ZR.log" | tee -a "$L/summary.txt"
+             rm -rf "$OUTD/ZA"/*-state "$OUTD/ZA"/.accel_ds_fix-universal.* ;;
         A2)  kohya A2 accelerate_zero3_nvme.yaml newest 600 --max_train_steps $STEPS ;;  # A again, no saves: run-to-run spread
         B)   kohya B accelerate_zero3_offload.yaml newest 500 --max_train_steps $STEPS ;;
         Z)   kohya Z accelerate_zero2_offload.yaml newest 400 --max_train_steps $STEPS ;;

@@ -1,0 +1,242 @@
+"""Resuming a merged engine's checkpoint under another DeepSpeed layout: another ZeRO stage, another number of
+processes, the optimizer offloaded elsewhere (CPU, NVMe, none).
+
+DeepSpeed 0.19.8 loads a checkpoint only into the layout that saved it (ZeRO-3 from a ZeRO-2 checkpoint: a bare
+AssertionError; two processes from one: "not currently supported"). Its universal checkpoint format (one file
+per parameter and state, whole tensors) loads into any of them. Here: the manifest records the layout a save was
+made under (``of_engine``); load_state compares it with the engine's, refuses what cannot be converted (another
+precision) before anything is loaded, and otherwise has the main process make the checkpoint's universal copy
+beside it (universal_copy.py) while the others wait, and loads that with DeepSpeed's universal loading.
+
+What DeepSpeed's loader leaves out, done here: loading into an NVMe-offloaded optimizer (DeepSpeed copies swap
+files instead, and its universal loader cannot fill a sub group that is swapped out); Adam's step count in the
+form the resumed optimizer keeps it (torch's Adam a tensor, DeepSpeedCPUAdam an int).
+"""
+
+import contextlib
+import glob
+import os
+
+import torch
+
+from .. import notices
+from ..errors import CheckpointError
+from . import universal_copy
+
+
+def _device(offload):
+    device = getattr(offload, "device", None) if offload is not None else None
+    return str(getattr(device, "value", device) or "none")
+
+
+def of_engine(engine):
+    """The layout ``engine`` trains in, as the manifest records it."""
+    import deepspeed
+
+    zero = engine._config.zero_config
+    precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    return {
+        "zero_stage": int(engine.zero_optimization_stage()),
+        "world_size": int(engine.dp_world_size),
+        "offload_optimizer": _device(zero.offload_optimizer),
+        "offload_param": _device(zero.offload_param),
+        "precision": precision,
+        "deepspeed": deepspeed.__version__,
+    }
+
+
+def of_checkpoint(directory, tag, recorded):
+    """The layout a checkpoint was saved under: as its manifest records it, else (saved before the manifest had
+    it) as DeepSpeed's model-states file says (its config and process count); None where neither tells."""
+    if recorded is not None:
+        return recorded
+    names = sorted(glob.glob(os.path.join(directory, tag, "*mp_rank_00_model_states.pt")))
+    if not names:
+        return None
+    try:  # mmap: the file holds the ZeRO-1/2 weights too
+        states = torch.load(names[0], map_location="cpu", weights_only=False, mmap=True)
+        config = states["ds_config"]
+        zero = config.get("zero_optimization", {})
+        enabled = {key: (config.get(key) or {}).get("enabled", False) for key in ("bf16", "fp16")}
+        if not all(isinstance(value, bool) for value in enabled.values()):
+            return None  # "auto" left in: the precision cannot be told
+        precision = "bf16" if enabled["bf16"] else "fp16" if enabled["fp16"] else "fp32"
+        return {"zero_stage": int(zero.get("stage", 0)), "world_size": int(states["dp_world_size"]),
+                "offload_optimizer": str((zero.get("offload_optimizer") or {}).get("device") or "none"),
+                "offload_param": str((zero.get("offload_param") or {}).get("device") or "none"),
+                "precision": precision, "deepspeed": str(states.get("ds_version"))}
+    except Exception:  # noqa: BLE001 - an unreadable or unexpected file: DeepSpeed's own load says what is wrong
+        return None
+
+
+def describe(layout):
+    processes = f"{layout['world_size']} process" + ("es" if layout["world_size"] != 1 else "")
+    where = {"none": "", "cpu": ", optimizer on the CPU", "nvme": ", optimizer on NVMe"}[layout["offload_optimizer"]]
+    if layout.get("offload_param", "none") != "none":
+        where += f", weights on {'the CPU' if layout['offload_param'] == 'cpu' else 'NVMe'}"
+    return f"ZeRO-{layout['zero_stage']}, {processes}{where}, {layout['precision']}"
+
+
+def _needs_conversion(saved, current):
+    """Whether DeepSpeed's own load cannot take the checkpoint: the optimizer states are partitioned otherwise
+    (stage, processes) or kept elsewhere (NVMe swap files on one side only). CPU offload or none, and where the
+    weights are offloaded, store the same files."""
+    return (saved["zero_stage"] != current["zero_stage"] or saved["world_size"] != current["world_size"]
+            or (saved["offload_optimizer"] == "nvme") != (current["offload_optimizer"] == "nvme"))
+
+
+def check(directory, saved, current):
+    """Raise CheckpointError, before anything is loaded, where the checkpoint cannot be resumed in ``current``;
+    return True where it must be converted first."""
+    if saved is None or not _needs_conversion(saved, current) and saved["precision"] == current["precision"]:
+        return False
+    differs = [f"{key.replace('_', ' ')} {saved[key]} -> {current[key]}" for key in
+               ("zero_stage", "world_size", "offload_optimizer", "precision") if saved[key] != current[key]]
+    head = (f"accel_ds_fix: cannot resume from {directory} in this layout: it was saved under "
+            f"{describe(saved)}, this run is {describe(current)} ({'; '.join(differs)}).")
+    if saved["precision"] != current["precision"]:
+        raise CheckpointError(
+            f"{head} Layouts convert within one precision only: DeepSpeed's {saved['precision']} optimizer wrote "
+            f"these states (bf16's in files of their own, fp16's with its loss scale), and its "
+            f"{current['precision']} optimizer does not load them. Nothing was loaded. Resume with --mixed_precision "
+            f"{saved['precision']}, or export the weights (accelerator.save_model, or zero_to_fp32.py in the "
+            f"checkpoint) and start a new optimizer from them under {current['precision']}."
+        )
+    for layout in (saved, current):
+        if layout["zero_stage"] not in (1, 2, 3):
+            raise CheckpointError(
+                f"{head} DeepSpeed converts between ZeRO stages 1, 2 and 3 only. Nothing was loaded. Resume with "
+                f"the layout that saved it, or export the weights and start a new optimizer."
+            )
+    return True
+
+
+def _prepared(accelerator, directory, tag, saved, current):
+    """The universal copy, converted by the main process while the others wait; every process gets the same
+    outcome (an error raised on all of them, not a hang)."""
+    folder = universal_copy.converted_path(directory)
+    outcome = None
+    if accelerator.is_main_process:
+        try:
+            digest = universal_copy.digest(directory)
+            if universal_copy.reusable(folder, digest, tag):
+                outcome = ("reused", 0.0)
+            else:
+                outcome = ("converted", universal_copy.convert(directory, tag, digest))
+        except Exception as exc:  # noqa: BLE001 - handed to every process below
+            outcome = ("error", exc if isinstance(exc, CheckpointError) else CheckpointError(
+                f"accel_ds_fix: converting {directory} for {describe(current)} failed: {type(exc).__name__}: {exc}. "
+                "Nothing was loaded; the checkpoint is unchanged."))
+    if accelerator.num_processes > 1:
+        box = [outcome]
+        torch.distributed.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    kind, value = outcome
+    if kind == "error":
+        raise value
+    if not accelerator.is_main_process:
+        return folder  # said once, by the process that converted
+    if kind == "converted":
+        notices.say(f"{directory} was saved under {describe(saved)}; this run is {describe(current)}: converted it "
+                    f"to DeepSpeed's universal checkpoint format in {value:.1f} s into {folder} "
+                    f"({universal_copy.size(folder) / 2**20:.1f} MiB, the original unchanged) and resumed from that")
+    else:
+        notices.say(f"{directory} was saved under {describe(saved)}; this run is {describe(current)}: resumed from "
+                    f"its universal copy {folder}, converted before")
+    return folder
+
+
+# ---- the load ---------------------------------------------------------------------------------------------------
+
+
+def _load_into_nvme_optimizer(optimizer, checkpoint_folder):
+    """DeepSpeed's ZeRO-3 universal load, one sub group at a time swapped in, filled and swapped out again (its
+    own loader writes into the swapped-out, empty buffers)."""
+    zero = os.path.join(checkpoint_folder, "zero")
+    optim_sd = torch.load(os.path.join(zero, "optimizer_state.pt"), weights_only=False)
+    optimizer._load_global_state_stage3(optim_sd)
+    step = optim_sd["optimizer_state_dict"]["state"][0]["step"]
+    timers = set()
+    for sub_group, params in enumerate(optimizer.fp16_groups):
+        optimizer._prepare_sub_group(sub_group, timers)
+        fp32 = optimizer.fp32_partitioned_groups_flat[sub_group]
+        state = optimizer.optimizer.state[fp32]
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            target = fp32.data if key == "fp32" else state.setdefault(key, torch.zeros_like(fp32.data))
+            offset = 0
+            for param in params:
+                part = optimizer.load_hp_checkpoint_state(os.path.join(zero, optimizer.param_names[param]), key,
+                                                          param=param)
+                target.narrow(0, offset, part.numel()).copy_(part)
+                offset += part.numel()
+        state["step"] = step
+        optimizer._reassign_or_swap_out_partitioned_parameters(sub_group)
+        optimizer._release_sub_group(sub_group, timers)
+    for group in optimizer.optimizer.param_groups:
+        group.update({k: v for k, v in optim_sd["param_groups"][0].items() if k != "params"})
+
+
+@contextlib.contextmanager
+def _universal_load(engine, folder):
+    """While accelerate's load_state runs: the engine's load_checkpoint reads ``folder`` (same tag) with
+    DeepSpeed's universal loading."""
+    original = engine.load_checkpoint
+    config = engine._config
+
+    def load_checkpoint(load_dir, tag=None, **kwargs):
+        if not engine.zero_nvme_offload_optimizer():
+            return original(folder, tag, **kwargs)
+        # DeepSpeed skips its ZeRO load under NVMe offload and copies swap files the copy has none of.
+        engine.zero_nvme_offload_optimizer = lambda: False
+        engine._load_zero_checkpoint = lambda load_dir, tag, load_optimizer_states=True: (
+            _load_into_nvme_optimizer(engine.optimizer, os.path.join(load_dir, str(tag))) or True)
+        try:
+            return original(folder, tag, **kwargs)
+        finally:
+            del engine.zero_nvme_offload_optimizer, engine._load_zero_checkpoint
+
+    was = config.load_universal_checkpoint
+    config.load_universal_checkpoint = True
+    engine.load_checkpoint = load_checkpoint
+    try:
+        yield
+    finally:
+        config.load_universal_checkpoint = was
+        del engine.load_checkpoint
+
+
+@contextlib.contextmanager
+def resumed(accelerator, engine, directory, tag, saved_layout):
+    """Around accelerate's load_state: yields False where the checkpoint loads as it is, True where it is
+    loaded from its universal copy (converted here first where needed)."""
+    current = of_engine(engine)
+    if not check(directory, saved_layout, current):
+        yield False
+        return
+    folder = _prepared(accelerator, directory, tag, saved_layout, current)
+    with _universal_load(engine, folder):
+        yield True
+    _steps_as_kept(engine.optimizer.optimizer)
+
+
+def _steps_as_kept(base):
+    """Adam's step count in the form the resumed optimizer keeps it: torch's Adam a tensor, DeepSpeed's CPU Adam
+    an int (the checkpoint's optimizer may have been the other one: CPU offload on one side only)."""
+    as_tensor = type(base).__module__.startswith("torch.optim")
+    for state in base.state.values():
+        step = state.get("step")
+        if step is None:
+            continue
+        value = float(step.item() if torch.is_tensor(step) else step)
+        state["step"] = torch.tensor(value, dtype=torch.float32) if as_tensor else int(value)
+
+
+def refuse_several_engines(directory, saved, current, tags):
+    """A checkpoint of one engine per optimizer (two optimizers in one prepare()) resumes in the layout that saved
+    it only: converting several engines' checkpoints is not built."""
+    raise CheckpointError(
+        f"accel_ds_fix: cannot resume from {directory} in this layout: it holds {len(tags)} DeepSpeed engines (one "
+        f"per optimizer: {', '.join(tags)}) saved under {describe(saved)}, and this run is {describe(current)}. A "
+        f"checkpoint of several engines resumes in the layout that saved it only. Nothing was loaded. Resume with "
+        f"that layout, or export the weights (accelerator.save_model) and start new optimizers from them."
+    )
