@@ -16,9 +16,9 @@ import logging
 import os
 import shutil
 
-from . import manifest
 from .. import notices
 from ..errors import CheckpointError
+from . import manifest
 
 PARTIAL = ".accel_ds_fix-partial."
 OLD = ".accel_ds_fix-old."

@@ -18,12 +18,12 @@ import re
 import shutil
 import sys
 
-from . import crash_safe, layout_change, manifest, nvme_resume
-from ..merge import trainability
 from ..gather import copied_by_hook, shards
 from ..lookup import merged_engines
-from .engine_views import merged_view
+from ..merge import trainability
 from ..merge.proxy import unwrap
+from . import crash_safe, layout_change, manifest, nvme_resume
+from .engine_views import merged_view
 
 
 class ModelWeights(collections.abc.Mapping):

@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from . import crash_safe, manifest
 from ..errors import CheckpointError
+from . import crash_safe, manifest
 
 UNIVERSAL = ".accel_ds_fix-universal."
 CONVERTING = ".accel_ds_fix-converting."

@@ -10,10 +10,12 @@ import os
 import re
 import sys
 
-from . import report
-from ..memory import model as memory_model, advice, tiers
+from ..memory import advice
+from ..memory import model as memory_model
+from ..memory import tiers
 from ..nvme import disk_speed
-from ..ops import libaio, builds
+from ..ops import builds, libaio
+from . import report
 
 GIB = memory_model.GIB
 

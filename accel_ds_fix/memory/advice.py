@@ -9,8 +9,9 @@ import os
 import re
 import struct
 
+from ..nvme import disk_speed
+from ..nvme import prerequisites as nvme_prerequisites
 from . import model as memory_model
-from ..nvme import prerequisites as nvme_prerequisites, disk_speed
 from .tiers import DEFAULT_NVME_PATH, TIERS
 
 GIB = memory_model.GIB

@@ -11,12 +11,12 @@ import os
 
 import torch
 
-from . import model as memory_model
 from .. import notices
-from ..nvme import prerequisites as nvme_prerequisites
 from ..errors import MemoryPlanError, PrerequisiteError
 from ..gather import full_numel
 from ..merge.merged_module import hidden_size_of
+from ..nvme import prerequisites as nvme_prerequisites
+from . import model as memory_model
 
 ENV = "ACCEL_DS_FIX_MEMORY_CHECK"
 GIB = memory_model.GIB

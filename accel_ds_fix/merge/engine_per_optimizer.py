@@ -8,10 +8,10 @@ import logging
 
 import torch
 
-from . import backward_routing, gradient_explanation, trainability
 from .. import notices
 from ..gather import add_full_weight_hooks
 from ..patches import cpu_threads, gpu_block_release, spectral_norm_dtype
+from . import backward_routing, gradient_explanation, trainability
 from .merged_module import MergedModels
 from .optimizer_groups import EngineGroups
 from .proxy import ModelProxy

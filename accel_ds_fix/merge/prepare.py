@@ -6,14 +6,14 @@ import logging
 
 import torch
 
-from . import engine_per_optimizer, gradient_explanation, trainability
 from .. import notices
-from ..memory import check as memory_check
-from ..patches import old_accelerate, cpu_threads, spectral_norm_dtype, zero3_dtypes, gpu_block_release
 from ..gather import add_full_weight_hooks
 from ..lookup import deepspeed_config, uses_deepspeed
-from .merged_module import MergedModels
+from ..memory import check as memory_check
+from ..patches import cpu_threads, gpu_block_release, old_accelerate, spectral_norm_dtype, zero3_dtypes
+from . import engine_per_optimizer, gradient_explanation, trainability
 from .merge_plan import MergePlan, _is_optimizer
+from .merged_module import MergedModels
 from .proxy import ModelProxy
 
 

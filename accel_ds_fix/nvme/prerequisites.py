@@ -8,7 +8,7 @@ import mmap
 import os
 
 from ..memory import model as memory_model
-from ..ops import libaio, builds
+from ..ops import builds, libaio
 
 GIB = 1024**3
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")

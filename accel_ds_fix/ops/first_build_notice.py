@@ -5,8 +5,8 @@ import logging
 import os
 import time
 
-from . import libaio, builds
 from .. import notices
+from . import builds, libaio
 
 
 def announce_first_build(wrapped, instance, args, kwargs):

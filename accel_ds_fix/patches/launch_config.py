@@ -11,8 +11,8 @@ import base64
 import json
 import os
 
-from . import old_accelerate
 from ..errors import ConfigError
+from . import old_accelerate
 
 
 def _inline_json(value):
