@@ -4,6 +4,7 @@
 import functools
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,18 +26,37 @@ def clean_env(**extra):
     return env
 
 
-# Seen once in ~50 runs of a fresh CI clone on 2 cores, and in about 1 of 8 two-process ZeRO-3 launches on a
-# loaded 2-core machine: a child that had trained and written its results died in torch's gloo teardown with
+# Seen once in ~50 runs of a fresh CI clone on 2 cores (and often where two launches shared port 29500, which
+# with_own_port now prevents): a child that had trained and written its results died in torch's gloo teardown with
 # this C++ abort (pytorch issue 190489). It says nothing about the results, but a result from such a run is not
 # taken either: the run is made again, once, and that one must exit cleanly. Under `accelerate launch` the child's
 # abort is in the middle of stderr and the launcher exits with 1.
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def with_own_port(cmd):
+    """An `accelerate launch` gets a port of its own. Two pytest workers launching at once
+    both asked for 29500: the second fell back to accelerate's standalone mode, and DeepSpeed's shared-memory
+    comm op (its segment names hold MASTER_PORT) then ran beside the other job; 2 of 10 such pairs aborted a rank
+    at exit ("terminate called without an active exception"), 0 of 12 with a port each."""
+    cmd = [str(c) for c in cmd]
+    launch = [i for i, c in enumerate(cmd) if c == "accelerate.commands.launch"
+              or c == "launch" and i and os.path.basename(cmd[i - 1]) == "accelerate"]
+    if launch and "--main_process_port" not in cmd:
+        cmd[launch[0] + 1:launch[0] + 1] = ["--main_process_port", str(free_port())]
+    return cmd
+
+
 def run(cmd, env=None, timeout=600, check=True, cwd=ROOT):
     def once():
         return subprocess.run(
-            [str(c) for c in cmd], env=env or clean_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd
+            with_own_port(cmd), env=env or clean_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd
         )
 
     proc = once()

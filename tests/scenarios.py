@@ -302,14 +302,21 @@ def too_large_for_host(reference):
     acc.prepare(unet, te, opt, data())
 
 
-@scenario
-def grad_read_after_backward(reference):
-    # Textual-inversion-style scripts mask the gradient of every embedding row but the new token's.
+def after_one_backward():
+    """The merged models after one accelerator.backward (argv[2]: the ZeRO stage); gives the accelerator and the
+    text encoder, whose embedding gradients the scenarios below read."""
     acc = accelerator(zero_stage=int(sys.argv[2]))
     unet, te, opt = models_and_optimizer()
     unet, te, opt, dl = acc.prepare(unet, te, opt, data())
     ids, latents = next(iter(dl))
     acc.backward(torch.nn.functional.mse_loss(unet(latents, te(ids)), latents))
+    return acc, te
+
+
+@scenario
+def grad_read_after_backward(reference):
+    # Textual-inversion-style scripts mask the gradient of every embedding row but the new token's.
+    acc, te = after_one_backward()
     if "--safe" in sys.argv:  # what the explanation recommends instead
         from deepspeed.utils import safe_get_full_grad
 
@@ -323,11 +330,7 @@ def grad_read_after_backward(reference):
 def grad_read_into_variable_earlier(reference):
     # diffusers' train_custom_diffusion.py --modifier_token: the gradient is read into a variable, the rows to
     # keep are computed over several lines, then `grads_text_encoder.data[index, :] = ...` dies under ZeRO-2/3.
-    acc = accelerator(zero_stage=int(sys.argv[2]))
-    unet, te, opt = models_and_optimizer()
-    unet, te, opt, dl = acc.prepare(unet, te, opt, data())
-    ids, latents = next(iter(dl))
-    acc.backward(torch.nn.functional.mse_loss(unet(latents, te(ids)), latents))
+    acc, te = after_one_backward()
     if acc.num_processes > 1:
         grads_text_encoder = te.module.embed.weight.grad
     else:

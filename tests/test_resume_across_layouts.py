@@ -5,9 +5,13 @@ precision is refused before anything is loaded. examples/train_two_models.py, bf
 import hashlib
 import importlib.metadata
 import json
+import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -110,6 +114,23 @@ def test_zero2_checkpoint_resumes_under_zero3_with_its_states_and_another_precis
     assert {k: v for k, v in digests(copy).items() if k != record} == without_record
     again = run([sys.executable, "-m", "accel_ds_fix", "convert-checkpoint", ckpt], env=clean_env())
     assert f"{copy} is already the universal copy of {ckpt}: nothing to do" in again.stdout
+
+    # A conversion killed in the middle (kill -9 of its process group): the half-made copy is never taken, and
+    # the next conversion makes the same copy whole.
+    shutil.rmtree(copy)
+    converting = tmp_path / ".accel_ds_fix-converting.ckpt"
+    child = subprocess.Popen([sys.executable, "-m", "accel_ds_fix", "convert-checkpoint", str(ckpt)], env=clean_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not any(converting.glob("*")) and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+    assert converting.is_dir() and not copy.exists(), "the conversion was not caught in the middle"
+    proc = run([sys.executable, "-m", "accel_ds_fix", "convert-checkpoint", ckpt], env=clean_env())
+    assert f"converted {ckpt} to DeepSpeed's universal checkpoint format in " in proc.stdout
+    assert {k: v for k, v in digests(copy).items() if k != record} == without_record
+    assert not converting.exists()
 
     # Another precision: refused before anything is loaded, saying what differs and what to do.
     _, stderr = train(tmp_path, "fp32", "zero2", 1, "--mixed-precision", "no", "--resume", ckpt, "--first-step", "4",

@@ -20,40 +20,42 @@ from . import report
 GIB = memory_model.GIB
 
 
+def _positive(parse, what, examples):
+    """An argparse type: ``parse(text)`` must be more than 0; the text itself goes on (the library parses it)."""
+
+    def check(text):
+        try:
+            value = parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: {what} must be more than 0 (examples: {examples})")
+        return text
+
+    return check
+
+
+_parameter_count = _positive(advice.parse_count, "a parameter count", "983M, 1.1B")  # --params, --trainable
+_sized = _positive(advice.parse_bytes, "a memory size", "6GiB, 15GB")
+
+
 def _memory_size(text):
     """argparse type of --gpu-memory, --host-memory, --activations: a size with its unit (a bare number would be
     read as bytes: `--gpu-memory 6` planned for a card of 6 bytes)."""
     if re.fullmatch(r"\s*[0-9.]+\s*", text):
         raise argparse.ArgumentTypeError(f"{text!r} has no unit: write {text.strip()}GiB (or {text.strip()}GB, "
                                          f"{text.strip()}g; MiB, MB, m and TiB, TB, t work too)")
-    try:
-        size = advice.parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a memory size must be more than 0")
-    return text
+    return _sized(text)
 
 
-def _parameter_count(text):
-    """argparse type of --params, --trainable: a positive count (983M, 1.1B, 860000000)."""
-    try:
-        count = advice.parse_count(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if count <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a parameter count must be more than 0 (examples: 983M, 1.1B)")
-    return text
+def _whole_number(text):
+    if not text.strip().isdigit():
+        raise ValueError(f"{text!r} is not a whole number")
+    return int(text)
 
 
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be 1 or more")
-    return value
+def _positive_int(text):  # --num-processes, --steps
+    return _whole_number(_positive(_whole_number, "a whole number", "1, 1600")(text))
 
 
 def _writable_folder(text):
