@@ -209,22 +209,23 @@ def vqgan_step(acc, i, pixel_values, model, discriminator, opts, scheds, accumul
             out["discriminator"].append(loss.item())
 
 
+def backward_and_step(acc, loss, optimizer, scheduler, losses):
+    acc.backward(loss)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    losses.append(loss.item())
+
+
 def titok_step(acc, i, images_, model, loss_module, opts, scheds, accumulation, out):
+    # accumulate() given a list in one phase and several models in the other: both call forms are routed
     with acc.accumulate([model, loss_module]):
         reconstructions, _ = model(images_)
         loss = loss_module(images_, reconstructions, mode="generator").float()
-        acc.backward(loss)
-        opts[0].step()
-        scheds[0].step()
-        opts[0].zero_grad(set_to_none=True)
-        out["generator"].append(loss.item())
+        backward_and_step(acc, loss, opts[0], scheds[0], out["generator"])
     with acc.accumulate(model, loss_module):
         loss = loss_module(images_, reconstructions, mode="discriminator").float()
-        acc.backward(loss)
-        opts[1].step()
-        scheds[1].step()
-        opts[1].zero_grad(set_to_none=True)
-        out["discriminator"].append(loss.item())
+        backward_and_step(acc, loss, opts[1], scheds[1], out["discriminator"])
 
 
 def joint_step(acc, i, images_, model, discriminator, opts, scheds, accumulation, out):
