@@ -11,7 +11,7 @@ from . import libaio
 # on the CPU backend. An op this accelerator does not have, or cannot build here, is skipped with the reason.
 TIER_BUILDERS = ("CPUAdamBuilder", "AsyncIOBuilder", "ShareMemCommBuilder")
 
-_building_ahead = False  # build() reports each op itself: the first-build notice of op_builds stays quiet
+_building_ahead = False  # build() reports each op itself: the first-build notice (first_build_notice.py) stays quiet
 
 
 def building_ahead():
