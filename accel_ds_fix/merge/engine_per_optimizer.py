@@ -6,15 +6,11 @@ per loss (backward_routing.py)."""
 
 import logging
 
-import torch
-
 from .. import notices
-from ..gather import add_full_weight_hooks
-from ..patches import cpu_threads, gpu_block_release, spectral_norm_dtype
-from . import backward_routing, gradient_explanation, trainability
+from ..patches import cpu_threads, gpu_block_release
+from . import backward_routing, engine_setup, gradient_explanation
 from .merged_module import MergedModels
 from .optimizer_groups import EngineGroups
-from .proxy import ModelProxy
 
 
 def _fp16(config, accelerator):
@@ -47,16 +43,11 @@ def prepare(wrapped, instance, args, kwargs, config):
         first_wrapper = first_wrapper or wrapper
         instance.deepspeed_engine_wrapped = first_wrapper
         handed_back.update(zip(positions, result[1:]))
-        proxies = {name: ModelProxy(model, engine, name) for name, model in zip(group.names, group.models)}
+        proxies = engine_setup.adopt(engine, group.names, group.models)
         handed_back.update({p: proxies[n] for p, n in zip(group.model_positions, group.names)})
-        engine._accel_ds_fix_proxies = proxies
         engine._accel_ds_fix_wrapper = wrapper
-        trainability.remember(engine)
-        spectral_norm_dtype.match_buffers_to_weights(engine.module)
         backward_routing.manage(instance, engine, handed_back[group.optimizer_position],
                                 f"{', '.join(group.names)} (engine of {plan.optimizer_label(k)})")
-        gpu_block_release.release_cached_blocks(getattr(engine, "device", None))
-        add_full_weight_hooks(group.models)
     gradient_explanation.watch(zero.get("stage"))
     if instance.is_main_process:
         notices.say(plan.describe(zero.get("stage")), level=logging.INFO)

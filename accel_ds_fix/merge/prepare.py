@@ -7,14 +7,12 @@ import logging
 import torch
 
 from .. import notices
-from ..gather import add_full_weight_hooks
 from ..lookup import deepspeed_config, uses_deepspeed
 from ..memory import check as memory_check
-from ..patches import cpu_threads, gpu_block_release, old_accelerate, spectral_norm_dtype, zero3_dtypes
-from . import engine_per_optimizer, gradient_explanation, trainability
+from ..patches import cpu_threads, gpu_block_release, old_accelerate, zero3_dtypes
+from . import engine_per_optimizer, engine_setup, gradient_explanation
 from .merge_plan import MergePlan, _is_optimizer
 from .merged_module import MergedModels
-from .proxy import ModelProxy
 
 
 def _say_if_half_precision_weights(plan):
@@ -75,7 +73,7 @@ def prepare(wrapped, instance, args, kwargs):
     result = list(result) if isinstance(result, (tuple, list)) else [result]
     engine = result[first]
 
-    proxies = {name: ModelProxy(model, engine, name) for name, model in zip(plan.names, plan.models)}
+    proxies = engine_setup.adopt(engine, plan.names, plan.models)
     handed_back = []
     remaining = iter(result)
     for i, obj in enumerate(args):
@@ -85,12 +83,6 @@ def prepare(wrapped, instance, args, kwargs):
             handed_back.append(proxies[plan.names[plan.positions.index(i)]])
         else:
             handed_back.append(next(remaining))
-    engine._accel_ds_fix_proxies = proxies
-    trainability.remember(engine)
-    spectral_norm_dtype.match_buffers_to_weights(engine.module)
-    # What construction freed after the hook's last release (ZeRO-2's partition clone, ZeRO-3's gathers) goes back too.
-    gpu_block_release.release_cached_blocks(getattr(engine, "device", None))
-    add_full_weight_hooks(plan.models)  # state_dict() gives full, separate tensors (ZeRO-3: never shape [0])
     gradient_explanation.watch(zero.get("stage"))
     if instance.is_main_process:
         notices.say(description)
