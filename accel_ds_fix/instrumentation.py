@@ -43,6 +43,10 @@ PATCHES = {
         "DeepSpeedZeroOptimizer_Stage3._offload_grad_partition_at_boundary": "nvme.host_gradients.keep_on_host",
         "DeepSpeedZeroOptimizer_Stage3._swap_out_offload_fp32_gradients": "nvme.host_gradients.hand_to_swapper",
     },
+    # ZeRO-3 NVMe optimizer offload, pipelined: a sub group's host tensors released once its write is submitted
+    "deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper": {
+        "PipelinedOptimizerSwapper.swap_out_optimizer_state": "nvme.pipelined_swap.release_after_swap_out",
+    },
     # NVMe offload: DeepSpeed loads its pin_memory op into the global symbol scope
     "deepspeed.ops.op_builder.pin_memory": {
         "PinMemoryBuilder.load": "ops.symbol_scope.libstdcxx_first",

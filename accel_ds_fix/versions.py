@@ -14,6 +14,8 @@ SUPPORTED = {
 
 # DeepSpeed releases whose ZeRO-3 NVMe gradient swap nvme/host_gradients.py was written against and tested with.
 NVME_GRADIENTS_IN_RAM = ("0.19.8", "0.19.8")
+# DeepSpeed releases whose pipelined NVMe optimizer swapper nvme/pipelined_swap.py was written against and tested with.
+PIPELINED_SWAP_RELEASE = ("0.19.8", "0.19.8")
 
 # accelerate before this release puts DeepSpeed on CUDA (or XPU) only: AcceleratorState calls
 # torch.cuda.set_device, which fails on a CPU-only machine before prepare() is ever reached.

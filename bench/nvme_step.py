@@ -1,9 +1,11 @@
-"""The NVMe tier's step with the fix's gradients in host memory against DeepSpeed's own gradient swap, SD1.5
+"""The NVMe tier's step as shipped (pipelined swaps, the fix's gradients in host memory) against the same one sub
+group at a time and against DeepSpeed's own gradient swap, SD1.5
 (UNet + CLIP-L text encoder, random weights, 512 px, batch 1, fp16, gradient checkpointing, AdamW lr 1e-6, the
-card capped at 6 GiB), each run in its own process, the two interleaved: host, disk, host, disk, ...
+card capped at 6 GiB), each run in its own process, the modes interleaved: host, serial, disk, host, ...
 
     python bench/nvme_step.py --nvme-path /var/tmp/nvme --rounds 2 --steps 4 --out nvme.json
     python bench/nvme_step.py --tiny --nvme-path /var/tmp/nvme --rounds 1 --steps 2 --out nvme.json  # CPU smoke test
+    python bench/nvme_step.py --mlp 4096 --nvme-path /var/tmp/nvme --rounds 3 --steps 4  # CPU: 302M parameters
 
 Per run: losses, seconds per step, bytes read and written per step (/proc/self/io, which counts DeepSpeed's
 direct I/O), peaks, and ZeRO-3's swap and step timers (those wall_clock_breakdown prints). Prints the medians side by side and their
@@ -55,11 +57,16 @@ def worker(args):
     config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
     if args.tiny:  # sub groups above aio's 1 MiB block, so that they are swapped
         config["zero_optimization"]["sub_group_size"] = 300000
+    if args.mode in ("serial", "disk"):  # the tier before pipelining: one sub group at a time, 50M elements each
+        config["zero_optimization"]["offload_optimizer"].update(buffer_count=4, pipeline_read=False,
+                                                                pipeline_write=False)
+        if not args.tiny:
+            config["zero_optimization"]["sub_group_size"] = 50000000
     if args.mode == "ram":  # the reference: the same ZeRO-3 layout with the optimizer in host memory, no disk
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     precision = "fp16" if cuda else "bf16"
     accelerator = Accelerator(mixed_precision=precision, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
-    unet, text_encoder = build_models(args.tiny)
+    unet, text_encoder = build_mlps(args.mlp) if args.mlp else build_models(args.tiny)
     params = list(unet.parameters()) + list(text_encoder.parameters())
     trained = sum(p.numel() for p in params)
     optimizer = torch.optim.AdamW(params, lr=1e-6)
@@ -81,9 +88,13 @@ def worker(args):
         read0, write0 = io_bytes()
         started = time.perf_counter()
         with accelerator.autocast():
-            hidden = text_encoder(ids)[0]
-            pred = unet(latents + noise, t, hidden).sample
-        loss = torch.nn.functional.mse_loss(pred.float(), noise)
+            if args.mlp:  # a random input to a random target: losses about 1, moving with each step
+                pred = unet(text_encoder(torch.randn(4, args.mlp, generator=g).to(device)))
+                noise = torch.randn(4, args.mlp, generator=g).to(device)
+            else:
+                hidden = text_encoder(ids)[0]
+                pred = unet(latents + noise, t, hidden).sample
+        loss = torch.nn.functional.mse_loss(pred.float(), noise.float())
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
@@ -98,6 +109,16 @@ def worker(args):
         result.update(gpu_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
                       gpu_reserved_gib=torch.cuda.max_memory_reserved() / GIB)
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def build_mlps(width):
+    """Two models of 9 Linear(width, width) layers each: where the optimizer step, not forward and backward, sets
+    the step time (a CPU-only machine: 302M parameters at width 4096)."""
+    import torch
+
+    torch.manual_seed(0)
+    return tuple(torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
+                                       for _ in range(9))) for _ in range(2))
 
 
 def timers(log):
@@ -126,12 +147,16 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=4, help="timed steps per run, after 2 warm-up steps")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--mlp", type=int, default=0, metavar="WIDTH",
+                   help="two 9-layer MLPs of this width instead of SD1.5 (a CPU-only machine: 4096)")
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic GPU kernels, so that runs can be compared bit for bit")
     p.add_argument("--out", default="nvme_step.json")
-    p.add_argument("--modes", default="host,disk",
-                   help="host: the fix's gradients in RAM; disk: DeepSpeed's own gradient swap "
-                        "(ACCEL_DS_FIX_NVME_GRADIENTS=disk); ram: the optimizer in RAM instead of NVMe (reference)")
+    p.add_argument("--modes", default="host,serial,disk",
+                   help="host: the shipped tier (pipelined swaps, the fix's gradients in RAM); serial: the same, one "
+                        "sub group at a time (the tier before pipelining); disk: serial with DeepSpeed's own gradient "
+                        "swap (ACCEL_DS_FIX_NVME_GRADIENTS=disk), what DeepSpeed does alone; ram: the optimizer in "
+                        "RAM instead of NVMe (reference)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="host", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -143,6 +168,7 @@ def main():
             cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--nvme-path", args.nvme_path,
                    "--steps", str(args.steps)]
             cmd += (["--tiny"] if args.tiny else []) + (["--deterministic"] if args.deterministic else [])
+            cmd += ["--mlp", str(args.mlp)] if args.mlp else []
             proc = subprocess.run(cmd, capture_output=True, text=True,
                                   env={**os.environ, "ACCEL_DS_FIX_NVME_GRADIENTS": "disk" if mode == "disk" else "host"})
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -166,10 +192,12 @@ def main():
         print(f"{m:<5} losses of the first run: {', '.join(f'{x:.7f}' for x in losses[m][0])}")
     equal = all(run == losses[modes[0]][0] for ls in losses.values() for run in ls)
     print(f"losses equal in every run: {equal}")
-    if "host" in medians and "disk" in medians:
-        moved = {m: medians[m]["read_bytes_per_param"] + medians[m]["written_bytes_per_param"] for m in ("host", "disk")}
-        print(f"step time host/disk: {medians['host']['s_per_step'] / medians['disk']['s_per_step']:.2f}x; bytes a "
-              f"parameter moved through the disk per step: host {moved['host']:.1f}, disk {moved['disk']:.1f}")
+    for a, b in (("host", "disk"), ("serial", "disk"), ("host", "serial")):
+        if a in medians and b in medians:
+            moved = {m: medians[m]["read_bytes_per_param"] + medians[m]["written_bytes_per_param"] for m in (a, b)}
+            print(f"step time {a}/{b}: {medians[a]['s_per_step'] / medians[b]['s_per_step']:.2f}x; bytes a parameter "
+                  f"moved through the disk per step: {a} {moved[a]:.1f}, {b} {moved[b]:.1f}; host peak {a} "
+                  f"{medians[a]['host_peak_gib']:.2f} GiB, {b} {medians[b]['host_peak_gib']:.2f} GiB")
     Path(args.out).write_text(json.dumps({"runs": runs, "medians": medians, "losses_equal": equal}, indent=1))
 
 

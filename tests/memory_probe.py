@@ -77,8 +77,12 @@ def main():
         optimizer.step()
         optimizer.zero_grad()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    zero = accelerator.deepspeed_engine_wrapped.engine.optimizer
+    sub_groups = getattr(zero, "fp16_partitioned_groups_flat_numel", None)  # ZeRO-3 only
     print(json.dumps({"params": work.params, "baseline": baseline, "peak": peak,
-                      "predicted": baseline + predicted.host, "parts": predicted.parts}))
+                      "predicted": baseline + predicted.host, "parts": predicted.parts,
+                      "largest_sub_group": max(sub_groups) if sub_groups else None,
+                      "predicted_largest_sub_group": memory_model.largest_sub_group(work, settings)}))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ def main():
     p.add_argument("--gas", type=int, default=1)
     p.add_argument("--steps", type=int, default=4, help="batches")
     p.add_argument("--width", type=int, default=512)
+    p.add_argument("--pipelined", action="store_true", help="the shipped tier's way: pipeline_read and pipeline_write")
     args = p.parse_args()
     single_process_env()
     set_seed(0)
@@ -46,6 +47,9 @@ def main():
         },
         "aio": {"block_size": 262144, "queue_depth": 8, "intra_op_parallelism": 1},
     }
+    if args.pipelined:
+        config["zero_optimization"]["offload_optimizer"].update(buffer_count=12, pipeline_read=True,
+                                                                pipeline_write=True)
     accelerator = Accelerator(mixed_precision="bf16", gradient_accumulation_steps=args.gas,
                               deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
     unet, text_encoder = Unet(args.width), TextEncoder(args.width)
@@ -69,8 +73,15 @@ def main():
     trained = sum(p.ds_numel for p in accelerator.unwrap_model(unet).parameters()) + sum(
         p.ds_numel for p in accelerator.unwrap_model(text_encoder).parameters())
     swap_files = sorted(f.name for f in Path(args.swap_folder).rglob("*.swp"))
+    # What the host still holds of each swapped sub group between steps: its master weights and Adam states
+    # should be on the disk only.
+    zero = accelerator.deepspeed_engine_wrapped.engine.optimizer
+    held = [sum(t.numel() for t in [flat, *(v for v in zero.optimizer.state.get(flat, {}).values() if torch.is_tensor(v))])
+            for i, flat in enumerate(zero.fp32_partitioned_groups_flat) if zero._swappable_optimizer_subgroup(i)]
     print(json.dumps({"losses": losses, "read_bytes": read1 - read0, "write_bytes": write1 - write0,
-                      "optimizer_steps": optimizer_steps, "trained": trained, "swap_files": swap_files}))
+                      "optimizer_steps": optimizer_steps, "trained": trained, "swap_files": swap_files,
+                      "swapped_sub_groups": len(held), "elements_held_of_swapped_sub_groups": sum(held),
+                      "largest_sub_group": max(zero.fp16_partitioned_groups_flat_numel)}))
 
 
 if __name__ == "__main__":

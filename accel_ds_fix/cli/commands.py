@@ -163,12 +163,14 @@ def _nvme_timing(args, work, rows):
     row = next(r for r in rows if r["tier"] == "zero3-nvme")
     if not row["can_run_here"]:
         return {"measured": False, "why_not": row["cannot_run_here"]}
-    aio = tiers.BY_NAME["zero3-nvme"].deepspeed_config(args.nvme_path).get("aio", {})
-    speed = disk_speed.measure(args.nvme_path, aio)
+    config = tiers.BY_NAME["zero3-nvme"].deepspeed_config(args.nvme_path)
+    speed = disk_speed.measure(args.nvme_path, config.get("aio", {}))
+    pipelined = memory_model.Settings.from_config(config).pipelined
     return {"measured": True, "folder": args.nvme_path, "read_gb_per_s": round(speed.read / 1e9, 3),
-            "write_gb_per_s": round(speed.write / 1e9, 3), "disk": speed.describe(),
-            "compute_seconds": args.compute_seconds, "steps": args.steps,
-            "per_accumulation": advice.nvme_step_times(work, speed, args.compute_seconds, args.steps)}
+            "write_gb_per_s": round(speed.write / 1e9, 3), "both_gb_per_s": round(speed.both / 1e9, 3),
+            "disk": speed.describe(), "pipelined": pipelined, "compute_seconds": args.compute_seconds,
+            "steps": args.steps,
+            "per_accumulation": advice.nvme_step_times(work, speed, args.compute_seconds, args.steps, pipelined)}
 
 
 def _print_timing(timing, args):
@@ -176,7 +178,8 @@ def _print_timing(timing, args):
         print(f"\nNVMe folder not measured: zero3-nvme cannot run here ({timing['why_not']})")
         return
     print(f"\nNVMe folder {timing['folder']}: its disk {timing['disk']} (measured now)")
-    print(f"zero3-nvme, predicted: the disk's time plus {timing['compute_seconds']:.1f} s a batch outside it "
+    way = "reading and writing at once, as the tier's pipelined swaps do" if timing["pipelined"] else "reading, then writing"
+    print(f"zero3-nvme, predicted: the disk's time ({way}) plus {timing['compute_seconds']:.1f} s a batch outside it "
           "(--compute-seconds)")
     steps = timing["steps"]
     print(f"  {'accumulation':<14}{'s/step':>8}{'disk s':>8}" + (f"{'hours for ' + str(steps) + ' steps':>22}"

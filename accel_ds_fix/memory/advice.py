@@ -152,11 +152,11 @@ def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_
     return rows, recommended
 
 
-def nvme_step_times(work, speed, compute_seconds, steps=None, accumulations=(1, 2, 4)):
+def nvme_step_times(work, speed, compute_seconds, steps=None, pipelined=True, accumulations=(1, 2, 4)):
     """The NVMe tier's predicted time per optimizer step with gradient accumulation 1, 2, 4 on a measured disk."""
     rows = []
     for k in accumulations:
-        t = disk_speed.predict(work.trainable, speed, k, compute_seconds)
+        t = disk_speed.predict(work.trainable, speed, k, compute_seconds, pipelined=pipelined)
         rows.append({"gradient_accumulation": k, "seconds_per_step": round(t.seconds, 1),
                      "disk_seconds": round(t.disk_seconds, 1), "compute_seconds": round(t.compute_seconds, 1),
                      "hours": round(steps * t.seconds / 3600, 1) if steps else None,

@@ -50,17 +50,19 @@ def workload_of(models, optimizer=None):
         trainable = [p for p in trainable if id(p) in held]
     total = sum(full_numel(p) for p in params)
     weight_bytes = round(sum(full_numel(p) * p.element_size() for p in params) / total) if total else 4
-    groups = ()
+    groups, sizes = (), ()
     if isinstance(optimizer, torch.optim.Optimizer):
-        groups = tuple(
-            g for g in (sum(full_numel(p) for p in group["params"] if p.requires_grad) for group in optimizer.param_groups) if g
+        sizes = tuple(
+            s for s in (tuple(full_numel(p) for p in group["params"] if p.requires_grad) for group in optimizer.param_groups) if s
         )
+        groups = tuple(sum(s) for s in sizes)
     return memory_model.Workload(
         params=total,
         trainable=sum(full_numel(p) for p in trainable),
         largest_trainable=max((full_numel(p) for p in trainable), default=0),
         weight_bytes=weight_bytes,
         groups=groups,
+        param_sizes=sizes,
     )
 
 
@@ -127,10 +129,10 @@ def runnable_tiers_sentence(work, accelerator, capacity, hidden):
 
 def check_prerequisites(models, optimizer, config, accelerator):
     """A config that offloads to NVMe: stop before anything is allocated when this machine cannot run it."""
-    problems = nvme_prerequisites.problems(config, load=True)
+    work = workload_of(models, optimizer)
+    problems = nvme_prerequisites.problems(config, load=True, work=work)
     if not problems:
         return
-    work = workload_of(models, optimizer)
     hidden = max(hidden_size_of(m) for m in models)
     tiers = runnable_tiers_sentence(work, accelerator, Capacity(accelerator, models), hidden)
     raise PrerequisiteError(

@@ -10,6 +10,8 @@ else 4), m: bytes of master weights and their gradients (4, or 2 with *_master_w
 import dataclasses
 import math
 
+from .. import versions
+
 GIB = 1024**3
 
 # Host memory of a training process before any model exists: Python, torch, the CUDA context and the usual
@@ -26,9 +28,10 @@ SD15_LARGEST_TENSOR = 49408 * 768
 STAGE3_RESERVED = 1.10
 STAGE3_RESERVED_WEIGHTS_ON_GPU = 1.35
 # NVMe optimizer offload holds about this much more host memory per trained parameter in training than the
-# buffers listed below account for (measured: 3.2 on the H200 host with SD1.5, 4.3 on the CPU with 51M
-# parameters; not traced to one allocation in DeepSpeed 0.19.8's swapper).
-NVME_UNTRACED_BYTES = 4
+# buffers listed below account for (measured, with the swap buffers sized by the largest sub group as DeepSpeed
+# forms it: 2.4 on the H200 host with SD1.5, 0.9 on the CPU with 51M parameters, pipelined or not; not traced
+# to one allocation in DeepSpeed 0.19.8's swapper).
+NVME_UNTRACED_BYTES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +44,9 @@ class Workload:
     weight_bytes: int = 4  # bytes per element of the weights as handed to prepare()
     activations: int = 0  # bytes; 0 where unknown (the check inside prepare() cannot know them)
     groups: tuple = ()  # trainable elements per optimizer parameter group; () means one group
+    # elements of each trainable parameter, one tuple per optimizer parameter group, in the optimizer's order;
+    # () where unknown (`plan`): ZeRO-3's sub groups are then bounded, not formed
+    param_sizes: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +65,7 @@ class Settings:
     max_live: int = int(1e9)
     sub_group: int = int(1e9)
     swap_buffers: int = 4
+    pipelined: bool = False  # NVMe offload with pipeline_read or pipeline_write
     grad_accum_bytes: int = 4
     world_size: int = 1
 
@@ -95,6 +102,7 @@ class Settings:
             max_live=number(zero.get("stage3_max_live_parameters"), int(1e9)) or int(1e9),
             sub_group=number(zero.get("sub_group_size"), int(1e9)),
             swap_buffers=int(opt.get("buffer_count", 4)),
+            pipelined=bool(opt.get("pipeline_read") or opt.get("pipeline_write")),
             grad_accum_bytes=2 if accum in ("fp16", "bf16") else (2 if (low_master and half == 2) else 4),
             world_size=world_size,
         )
@@ -116,6 +124,29 @@ def checkpoint_bytes(work, s):
     """What one save_state writes, about: the fp32 master weights and optimizer states of every trained parameter,
     and the model's weights in the training precision (a NVMe-tier checkpoint copies the swapped states in)."""
     return (s.master_bytes + s.optimizer_state_bytes) * work.trainable + s.half_bytes * work.params
+
+
+def largest_sub_group(work, s):
+    """Elements per rank of ZeRO-3's largest optimizer sub group, the size of each NVMe swap buffer. DeepSpeed
+    (stage3.py _create_fp16_sub_groups) takes a parameter group's parameters in order and closes a sub group at
+    the first parameter that brings it to sub_group_size, so one may hold up to a parameter more than that."""
+    W = s.world_size
+    if not work.param_sizes:
+        bound = s.sub_group + -(-work.largest_trainable // W) - 1 if work.largest_trainable else s.sub_group
+        return max((min(bound, g // W) for g in (work.groups or (work.trainable,))), default=0)
+    largest = 0
+    for sizes in work.param_sizes:
+        total = sum(-(-n // W) for n in sizes)
+        if total <= s.sub_group:  # DeepSpeed keeps a group that fits whole as one sub group
+            largest = max(largest, total)
+            continue
+        current = 0
+        for n in sizes:
+            current += -(-n // W)
+            if current >= s.sub_group:
+                largest, current = max(largest, current), 0
+        largest = max(largest, current)
+    return largest
 
 
 def _pinned(nbytes, device):
@@ -171,8 +202,7 @@ def predict(work, s, device="cuda", host_baseline=None):
         gpu_train.append(("gathered weights in flight (prefetch bucket + max live parameters)",
                           copies * h * min(P, s.prefetch_bucket + s.max_live)))
         gpu_train.append(("gradient bucket (reduce_bucket_size)", h * min(s.reduce_bucket, max(T, 1))))
-        sub_groups = [min(s.sub_group, g) for g in groups]
-        largest_sub_group = max(sub_groups, default=0)
+        largest = largest_sub_group(work, s)
         if s.offload_optimizer == "none":
             gpu_train.append(("master weights, gradients and optimizer states",
                               (m + s.grad_accum_bytes + m + s.optimizer_state_bytes) * T // W))
@@ -180,13 +210,17 @@ def predict(work, s, device="cuda", host_baseline=None):
             # stage3.py:791 gradient partitions of every trainable parameter, on the host
             host("gradient partitions (pinned)", s.grad_accum_bytes * T // W, pin)
             # stage3.py:1306 one gradient buffer of the largest sub group
-            host("gradient buffer of the largest sub group", m * largest_sub_group)
+            host("gradient buffer of the largest sub group", m * largest)
             if s.offload_optimizer == "cpu":
                 host("master weights", m * T // W)
                 host("gradients of the master weights (pinned)", m * T // W, pin)
                 host("optimizer states (DeepSpeedCPUAdam)", s.optimizer_state_bytes * T // W)
             else:  # nvme: master weights and optimizer states live on disk, swapped in one sub group at a time
-                host("swap buffers (buffer_count x sub_group_size, pinned)", s.swap_buffers * 4 * largest_sub_group)
+                host("swap buffers (buffer_count x the largest sub group, pinned)", s.swap_buffers * 4 * largest)
+                if s.pipelined and not versions.in_range("deepspeed", versions.PIPELINED_SWAP_RELEASE):
+                    # nvme/pipelined_swap.py's release is not applied to this release: Adam's states of every
+                    # sub group stay in host memory from the first step
+                    host("Adam states DeepSpeed's pipelined swapper keeps after the first step", 8 * T // W)
                 host("in training, beyond these buffers (measured, not traced)", NVME_UNTRACED_BYTES * T // W)
                 nvme = (m + s.optimizer_state_bytes) * T // W
     if work.activations:

@@ -86,10 +86,16 @@ TIERS = [
         "ZeRO-3, weights on the GPU, fp32 master weights and Adam states on an NVMe disk (least host memory)",
         {
             **_ZERO3,
+            # Pipelined: while one sub group steps, the next is read and the previous written. That holds
+            # three sub groups of 4 buffers each (weights, two Adam states, gradients), all pinned, each the
+            # size of the largest sub group. 25M elements: SD1.5 in 30 sub groups, the largest 54M (12 x 217
+            # MB); 50M steps as fast and needs 12 x 342 MB, 12.5M needs 12 x 152 MB but each sub group's swap
+            # costs a fixed time (on the CPU, 302M parameters: 4.4, 4.5 and 5.1 s a step; bench/nvme_step.py).
             "offload_optimizer": {"device": "nvme", "nvme_path": DEFAULT_NVME_PATH, "pin_memory": True,
-                                  "buffer_count": 4, "fast_init": False},
+                                  "buffer_count": 12, "pipeline_read": True, "pipeline_write": True,
+                                  "fast_init": False},
             "offload_param": {"device": "none"},
-            "sub_group_size": 50000000,  # swapped in and out one at a time: buffer_count of these pinned
+            "sub_group_size": 25000000,
         },
         # The keys DeepSpeed >= 0.16.4 reads (it ignores the older thread_count): one I/O thread per handle.
         {"aio": {"block_size": 1048576, "queue_depth": 16, "intra_op_parallelism": 1, "single_submit": False,

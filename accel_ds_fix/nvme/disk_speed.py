@@ -3,9 +3,11 @@ with DeepSpeed's own async I/O handle as the tier configures it (a few seconds; 
 step time that follows from the bytes each optimizer step moves.
 
 A ZeRO-3 step with the optimizer on NVMe swaps each sub group in (fp32 weights and Adam's two states: 12 bytes
-a trained parameter), steps it on the CPU and swaps it out again, one sub group after another, so the disk's
-time adds to the rest of the step. DeepSpeed alone also writes and reads the fp32 gradients (4 bytes each way);
-the fix keeps those in host memory (host_gradients.py).
+a trained parameter), steps it on the CPU and swaps it out again. One sub group after another, the disk's read
+and write times add to the rest of the step; pipelined (the shipped tier: pipeline_read and pipeline_write),
+the next sub group is read while the previous one is written and the current one steps, so the disk's time is
+what it takes to read and write at once. DeepSpeed alone also writes and reads the fp32 gradients (4 bytes each
+way); the fix keeps those in host memory (host_gradients.py).
 """
 
 import dataclasses
@@ -29,9 +31,11 @@ class DiskSpeed:
     read: float  # bytes per second
     write: float
     folder: str
+    both: float = 0.0  # bytes read and written per second, reading and writing at once (0: not measured)
 
     def describe(self):
-        return f"reads {self.read / GB:.2f} GB/s and writes {self.write / GB:.2f} GB/s with direct I/O"
+        both = f", {self.both / GB:.2f} GB/s reading and writing at once" if self.both else ""
+        return f"reads {self.read / GB:.2f} GB/s and writes {self.write / GB:.2f} GB/s with direct I/O{both}"
 
 
 def _handle(aio):
@@ -54,39 +58,53 @@ def _remove_leftovers(folder):
                 os.unlink(os.path.join(folder, name))
 
 
+def _submit(handle, op, buffers, paths):
+    for buffer, path in zip(buffers, paths):
+        assert getattr(handle, op)(buffer, path, 0) == 0
+
+
+def _timed(handle, op, buffers, paths):
+    started = time.perf_counter()
+    _submit(handle, op, buffers, paths)
+    handle.wait()
+    return time.perf_counter() - started
+
+
 def measure(folder, aio=None, file_bytes=200 * 1024**2, files=3):
     """Write then read ``files`` files of ``file_bytes`` in ``folder`` (a sub group's fp32 weights and two Adam
-    states, as the tier swaps them), through DeepSpeed's async I/O with the tier's settings."""
+    states, as the tier swaps them), then read them while writing as many others, as the pipelined tier does,
+    through DeepSpeed's async I/O with the tier's settings (one handle reads, another writes, as DeepSpeed's
+    pipelined swapper has them)."""
     import torch
 
     from ..ops import libaio
 
     libaio.activate()
-    handle = _handle(aio or {})
+    reader, writer = _handle(aio or {}), _handle(aio or {})
     os.makedirs(folder, exist_ok=True)
     _remove_leftovers(folder)
-    paths = [os.path.join(folder, f"{_PREFIX}{os.getpid()}_{i}.swp") for i in range(files)]
+    paths = [os.path.join(folder, f"{_PREFIX}{os.getpid()}_{i}.swp") for i in range(2 * files)]
     # Page-locked as the tier's swap buffers are: by CUDA where there is a GPU, else by DeepSpeed's own manager.
     if torch.cuda.is_available():
         buffers = [torch.empty(file_bytes // 4, dtype=torch.float32).pin_memory() for _ in paths]
         free = lambda buffer: None  # noqa: E731
     else:
-        buffers = [handle.new_cpu_locked_tensor(file_bytes // 4, torch.empty(0, dtype=torch.float32)) for _ in paths]
-        free = handle.free_cpu_locked_tensor
+        buffers = [writer.new_cpu_locked_tensor(file_bytes // 4, torch.empty(0, dtype=torch.float32)) for _ in paths]
+        free = writer.free_cpu_locked_tensor
     try:
         for b in buffers:
             b.uniform_()  # not zeros: some SSDs compress
-        started = time.perf_counter()
-        for buffer, path in zip(buffers, paths):
-            assert handle.async_pwrite(buffer, path, 0) == 0
-        handle.wait()
+        first, second = slice(0, files), slice(files, 2 * files)
+        written = _timed(writer, "async_pwrite", buffers[first], paths[first])
         os.sync()
-        written = time.perf_counter() - started
+        read = _timed(reader, "async_pread", buffers[first], paths[first])
+        # At once: the first files read back while the others are written (each handle has its own I/O threads).
         started = time.perf_counter()
-        for buffer, path in zip(buffers, paths):
-            assert handle.async_pread(buffer, path, 0) == 0
-        handle.wait()
-        read = time.perf_counter() - started
+        _submit(writer, "async_pwrite", buffers[second], paths[second])
+        _submit(reader, "async_pread", buffers[first], paths[first])
+        reader.wait()
+        writer.wait()
+        both = time.perf_counter() - started
     finally:
         for buffer in buffers:
             free(buffer)
@@ -94,7 +112,7 @@ def measure(folder, aio=None, file_bytes=200 * 1024**2, files=3):
             if os.path.exists(path):
                 os.unlink(path)
     total = file_bytes * files
-    return DiskSpeed(read=total / read, write=total / written, folder=folder)
+    return DiskSpeed(read=total / read, write=total / written, folder=folder, both=2 * total / both)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,12 +128,18 @@ class StepTime:
         return self.disk_seconds + self.compute_seconds
 
 
-def predict(trainable, speed, accumulation=1, compute_seconds=DEFAULT_COMPUTE_SECONDS, gradients_in_ram=None):
+def predict(trainable, speed, accumulation=1, compute_seconds=DEFAULT_COMPUTE_SECONDS, gradients_in_ram=None,
+            pipelined=True):
     """One optimizer step (``accumulation`` batches) of the NVMe tier training ``trainable`` parameters. The time
-    outside the disk is counted once per batch: an upper bound, since Adam runs once per step."""
+    outside the disk is counted once per batch: an upper bound, since Adam runs once per step (and, pipelined,
+    beside the disk)."""
     if gradients_in_ram is None:
         gradients_in_ram = host_gradients.enabled()
     per_param = STATE_BYTES + (0 if gradients_in_ram else GRADIENT_BYTES)
     moved = per_param * trainable
-    return StepTime(accumulation=accumulation, disk_seconds=moved / speed.read + moved / speed.write,
-                    compute_seconds=compute_seconds * accumulation, bytes_read=moved, bytes_written=moved)
+    if pipelined and speed.both:
+        disk = 2 * moved / speed.both
+    else:
+        disk = moved / speed.read + moved / speed.write
+    return StepTime(accumulation=accumulation, disk_seconds=disk, compute_seconds=compute_seconds * accumulation,
+                    bytes_read=moved, bytes_written=moved)

@@ -106,7 +106,7 @@ def direct_io_problem(folder):
     return None
 
 
-def locked_memory_problem(config):
+def locked_memory_problem(config, work=None):
     """None unless DeepSpeed would lock more host memory than this user may. On a CPU-only machine its NVMe swap
     locks its buffers with mlock (on a GPU machine CUDA pins them, outside that limit), and a failed mlock aborts
     the process (an assertion in deepspeed_pin_tensor.cpp), so this is said before."""
@@ -123,7 +123,10 @@ def locked_memory_problem(config):
         return None
     limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
     settings = memory_model.Settings.from_config(config)
-    need = settings.swap_buffers * settings.sub_group * 4 + 64 * 1024**2  # swap buffers + I/O bounce buffers
+    # buffer_count swap buffers, each the size of the largest sub group (sub_group_size where the models are not
+    # known yet), and I/O bounce buffers
+    largest = memory_model.largest_sub_group(work, settings) if work else settings.sub_group
+    need = settings.swap_buffers * largest * 4 + 64 * 1024**2
     if limit == resource.RLIM_INFINITY or limit >= need:
         return None
     return (f"on a machine without a GPU DeepSpeed's NVMe swap locks about {need / GIB:.2f} GiB of host memory, and "
@@ -131,12 +134,13 @@ def locked_memory_problem(config):
             "/etc/security/limits.conf, then log in again), or run it on a GPU machine, where CUDA pins the buffers")
 
 
-def problems(config, load=False):
-    """Why a config that offloads to NVMe cannot run here ([] when it can, or when it uses no NVMe)."""
+def problems(config, load=False, work=None):
+    """Why a config that offloads to NVMe cannot run here ([] when it can, or when it uses no NVMe); ``work``: the
+    memory model's workload, where the models are known."""
     folders = nvme_folders(config)
     if not folders:
         return []
-    found = [async_io_problem(load), locked_memory_problem(config)]
+    found = [async_io_problem(load), locked_memory_problem(config, work)]
     for folder in folders:
         found.append(direct_io_problem(folder) if folder else
                      "the config offloads to NVMe without an nvme_path: name a folder on a local disk")
