@@ -79,10 +79,16 @@ def remove_shm_segments(port):
 def run(cmd, env=None, timeout=600, check=True, cwd=ROOT):
     def once():
         command, port = with_own_port(cmd)
+        child_env = env or clean_env()
+        if port is None and "LOCAL_SIZE" in child_env and "RANK" not in child_env and command[1:2] and \
+                command[1].endswith(".py"):
+            # A one-process script under LOCAL_SIZE (test_matrix's older releases) makes a segment named after the
+            # port it picks itself (single_process_env): it gets the same variables here, with a port known to us.
+            port = free_port()
+            child_env = {**child_env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                         "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
         try:
-            return subprocess.run(
-                command, env=env or clean_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd
-            )
+            return subprocess.run(command, env=child_env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
         finally:
             if port is not None:  # the port is this run's alone, so are its segments
                 remove_shm_segments(port)
