@@ -35,6 +35,10 @@ PATCHES = {
     "transformers.modeling_utils": {
         "PreTrainedModel.from_pretrained": "patches.zero3_loading.drop_low_cpu_mem_usage",
     },
+    # CPU: the shared-memory segment each process makes in /dev/shm, unlinked once every rank has opened it
+    "deepspeed.comm.torch": {
+        "TorchBackend.__init__": "patches.shm_segments.unlink_after_init",
+    },
     "deepspeed.runtime.zero.stage_1_and_2": {
         "DeepSpeedZeroOptimizer._update_model_bit16_weights": "patches.gpu_block_release.release_after_flatten",
     },

@@ -17,6 +17,11 @@ NVME_GRADIENTS_IN_RAM = ("0.19.8", "0.19.8")
 # DeepSpeed releases whose pipelined NVMe optimizer swapper nvme/pipelined_swap.py was written against and tested with.
 PIPELINED_SWAP_RELEASE = ("0.19.8", "0.19.8")
 
+# DeepSpeed releases whose CPU shm op patches/shm_segments.py was checked against: the segment name
+# (shm.cpp), the LOCAL_SIZE condition (shm_interface.cpp) and TorchBackend.__init__ are the same in 0.14.4 and
+# 0.19.8 (installed) and in every tag from 0.14.2 to 0.19.5; before 0.14.2 TorchBackend made no segment.
+DEEPSPEED_SHM_SEGMENT_NAMES = ("0.14.4", "0.19.8")
+
 # accelerate before this release puts DeepSpeed on CUDA (or XPU) only: AcceleratorState calls
 # torch.cuda.set_device, which fails on a CPU-only machine before prepare() is ever reached.
 ACCELERATE_DEEPSPEED_ON_CPU = "0.29.0"

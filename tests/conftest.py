@@ -4,6 +4,7 @@
 import functools
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -41,23 +42,56 @@ def free_port():
 
 
 def with_own_port(cmd):
-    """An `accelerate launch` gets a port of its own. Two pytest workers launching at once
-    both asked for 29500: the second fell back to accelerate's standalone mode, and DeepSpeed's shared-memory
-    comm op (its segment names hold MASTER_PORT) then ran beside the other job; 2 of 10 such pairs aborted a rank
-    at exit ("terminate called without an active exception"), 0 of 12 with a port each."""
+    """An `accelerate launch` gets a port of its own; returns (command, the port it added or None). Two pytest workers
+    launching at once both asked for 29500: the second fell back to accelerate's standalone mode, and DeepSpeed's
+    shared-memory comm op (its segment names hold MASTER_PORT) then ran beside the other job; 2 of 10 such pairs
+    aborted a rank at exit ("terminate called without an active exception"), 0 of 12 with a port each."""
     cmd = [str(c) for c in cmd]
     launch = [i for i, c in enumerate(cmd) if c == "accelerate.commands.launch"
               or c == "launch" and i and os.path.basename(cmd[i - 1]) == "accelerate"]
     if launch and "--main_process_port" not in cmd:
-        cmd[launch[0] + 1:launch[0] + 1] = ["--main_process_port", str(free_port())]
-    return cmd
+        port = free_port()
+        cmd[launch[0] + 1:launch[0] + 1] = ["--main_process_port", str(port)]
+        return cmd, port
+    return cmd, None
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def shm_segments(port):
+    """DeepSpeed's CPU shared-memory segments of the launch on ``port`` (shm.cpp names them
+    deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>)."""
+    name = re.compile(rf"deepspeed_allreduce_buffer_{os.getuid()}_.*_{port}_\d+")
+    return sorted(p.name for p in SHM_DIR.glob("deepspeed_allreduce_buffer_*") if name.fullmatch(p.name))
+
+
+def remove_shm_segments(port):
+    """A run without the fix (a reference) leaves its segments (69 MB of RAM each) until reboot. Only those of
+    ``port``: another job's fresh segment, removed before its peers opened it, would make them wait forever."""
+    for name in shm_segments(port):
+        try:
+            (SHM_DIR / name).unlink()
+        except FileNotFoundError:
+            pass
 
 
 def run(cmd, env=None, timeout=600, check=True, cwd=ROOT):
     def once():
-        return subprocess.run(
-            with_own_port(cmd), env=env or clean_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd
-        )
+        command, port = with_own_port(cmd)
+        child_env = env or clean_env()
+        if port is None and "LOCAL_SIZE" in child_env and "RANK" not in child_env and command[1:2] and \
+                command[1].endswith(".py"):
+            # A one-process script under LOCAL_SIZE (test_matrix's older releases) makes a segment named after the
+            # port it picks itself (single_process_env): it gets the same variables here, with a port known to us.
+            port = free_port()
+            child_env = {**child_env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                         "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+        try:
+            return subprocess.run(command, env=child_env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+        finally:
+            if port is not None:  # the port is this run's alone, so are its segments
+                remove_shm_segments(port)
 
     proc = once()
     if proc.returncode != 0 and TEARDOWN_ABORT in proc.stderr:
