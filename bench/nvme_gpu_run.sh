@@ -21,4 +21,5 @@ mkdir -p "$OUT"
             2>&1 | grep -v '^\[20'
     fi
     python3 bench/nvme_step.py --nvme-path "$NV" --rounds 1 --steps 4 --out "$OUT/nvme_step$1.json" "${@:2}"
+    rm -rf "${NV:?}"/*  # the swap files (12 bytes a parameter) would crowd the disk of what runs next
 } 2>&1 | tee "$OUT/log$1.txt"

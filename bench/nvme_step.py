@@ -62,6 +62,8 @@ def worker(args):
                                                                 pipeline_write=False)
         if not args.tiny:
             config["zero_optimization"]["sub_group_size"] = 50000000
+    if args.sub_group_size and args.mode == "host":
+        config["zero_optimization"]["sub_group_size"] = args.sub_group_size
     if args.mode == "ram":  # the reference: the same ZeRO-3 layout with the optimizer in host memory, no disk
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     precision = "fp16" if cuda else "bf16"
@@ -149,6 +151,7 @@ def main():
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--mlp", type=int, default=0, metavar="WIDTH",
                    help="two 9-layer MLPs of this width instead of SD1.5 (a CPU-only machine: 4096)")
+    p.add_argument("--sub-group-size", type=int, default=0, help="the host mode's sub_group_size (the tier's: 25M)")
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic GPU kernels, so that runs can be compared bit for bit")
     p.add_argument("--out", default="nvme_step.json")
@@ -169,6 +172,7 @@ def main():
                    "--steps", str(args.steps)]
             cmd += (["--tiny"] if args.tiny else []) + (["--deterministic"] if args.deterministic else [])
             cmd += ["--mlp", str(args.mlp)] if args.mlp else []
+            cmd += ["--sub-group-size", str(args.sub_group_size)] if args.sub_group_size else []
             proc = subprocess.run(cmd, capture_output=True, text=True,
                                   env={**os.environ, "ACCEL_DS_FIX_NVME_GRADIENTS": "disk" if mode == "disk" else "host"})
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)

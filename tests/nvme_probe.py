@@ -1,6 +1,7 @@
 """A two-model training under ZeRO-3 with the optimizer on NVMe, large enough that DeepSpeed swaps its sub groups.
 
-    python tests/nvme_probe.py SWAP_FOLDER [--gas 2] [--steps 4] [--width 512]
+    python tests/nvme_probe.py SWAP_FOLDER [--gas 2] [--steps 4] [--width 512] [--pipelined]
+        [--save-state DIR --save-after N] [--resume DIR --first-step N] [--kill-at-swap-out N]
 
 Prints JSON: the losses, the bytes the process read from and wrote to storage during the steps (/proc/self/io,
 which counts DeepSpeed's direct I/O), the optimizer steps taken, and which swap files exist after the run
@@ -28,6 +29,36 @@ def io_bytes():
     return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
+def kill_at_swap_out(count):
+    """The test's kill -9 in the middle of training: at the ``count``-th sub group swapped out once training has
+    started (pipelined: its write still in flight, the next sub group being read). Returns the switch that
+    starts the count (swaps of start-up and load_state are not counted)."""
+    import os
+    import signal
+
+    from deepspeed.runtime.swap_tensor import partitioned_optimizer_swapper, pipelined_optimizer_swapper
+
+    calls, armed = [], []
+
+    def wrap(cls):
+        original = cls.swap_out_optimizer_state
+
+        def swap_out(self, *a, **kw):
+            result = original(self, *a, **kw)
+            if armed:
+                calls.append(1)
+                if len(calls) == count:
+                    sys.stdout.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return result
+
+        cls.swap_out_optimizer_state = swap_out
+
+    wrap(pipelined_optimizer_swapper.PipelinedOptimizerSwapper)
+    wrap(partitioned_optimizer_swapper.PartitionedOptimizerSwapper)
+    return lambda: armed.append(True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("swap_folder")
@@ -35,7 +66,14 @@ def main():
     p.add_argument("--steps", type=int, default=4, help="batches")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--pipelined", action="store_true", help="the shipped tier's way: pipeline_read and pipeline_write")
+    p.add_argument("--save-state", help="save_state into this folder after --save-after batches")
+    p.add_argument("--save-after", type=int, default=0)
+    p.add_argument("--resume", help="load_state from this folder first, and skip --first-step batches")
+    p.add_argument("--first-step", type=int, default=0)
+    p.add_argument("--kill-at-swap-out", type=int, default=0,
+                   help="SIGKILL this process at the N-th sub group swapped out (its write submitted, not done)")
     args = p.parse_args()
+    start_counting = kill_at_swap_out(args.kill_at_swap_out) if args.kill_at_swap_out else (lambda: None)
     single_process_env()
     set_seed(0)
     config = {
@@ -58,9 +96,12 @@ def main():
     generator = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 512, (2, 4), generator=generator), torch.randn(2, args.width, generator=generator))
                for _ in range(args.steps)]
+    if args.resume:
+        accelerator.load_state(args.resume)
     losses, optimizer_steps = [], 0
+    start_counting()
     read0, write0 = io_bytes()
-    for ids, target in batches:
+    for number, (ids, target) in enumerate(batches[args.first_step:], args.first_step + 1):
         with accelerator.accumulate(unet, text_encoder):
             out = unet(target.to(torch.bfloat16), text_encoder(ids))
             loss = torch.nn.functional.mse_loss(out.float(), target)
@@ -69,6 +110,8 @@ def main():
             optimizer.step()
             optimizer.zero_grad()
         losses.append(loss.item())
+        if args.save_state and number == args.save_after:
+            accelerator.save_state(args.save_state)
     read1, write1 = io_bytes()
     trained = sum(p.ds_numel for p in accelerator.unwrap_model(unet).parameters()) + sum(
         p.ds_numel for p in accelerator.unwrap_model(text_encoder).parameters())

@@ -73,6 +73,24 @@ def test_pipelined_swaps_train_the_same_and_keep_no_sub_group_in_host_memory(dis
     assert not [f for f in pipelined["swap_files"] if "_gradient_" in f]
 
 
+def test_a_run_killed_in_the_middle_of_a_pipelined_step_resumes_its_checkpoint(disk_folder):
+    # kill -9 while a sub group's write is in flight and the next one is being read: the swap folder is left
+    # half-stepped; a new run resuming the checkpoint gives the losses of a clean resume, bit for bit.
+    skip_without_nvme()
+    ckpt, swap = disk_folder / "ckpt", disk_folder / "swap"
+    probe(swap, "host", "--pipelined", "--steps", "3", "--save-state", ckpt, "--save-after", "3")
+    resume = ["--pipelined", "--steps", "6", "--resume", ckpt, "--first-step", "3"]
+    clean = probe(disk_folder / "clean", "host", *resume)
+    groups = clean["swapped_sub_groups"]
+    assert groups >= 3 and len(clean["losses"]) == 3
+    killed = run([sys.executable, PROBE, swap, *resume, "--kill-at-swap-out", str(groups + groups // 2)],
+                 env=clean_env(), check=False)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert '"losses"' not in killed.stdout  # it died in its second step, before its results
+    after = probe(swap, "host", *resume)
+    assert after["losses"] == clean["losses"]
+
+
 def _hide_system_libaio():
     """A command prefix that runs its command with the system's libaio out of sight (a private mount namespace,
     /dev/null bound over libaio.h and the library), or None where that cannot be done here."""

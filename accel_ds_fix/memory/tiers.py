@@ -101,7 +101,9 @@ TIERS = [
         {"aio": {"block_size": 1048576, "queue_depth": 16, "intra_op_parallelism": 1, "single_submit": False,
                  "overlap_events": True}},
         "slow: each optimizer step reads and writes the fp32 master weights and Adam states on the disk (12 bytes "
-        "a trained parameter each way, 11 GiB for SD1.5; the fix keeps the gradients in RAM): 18 s a step for SD1.5 (15 - 22 s) on a disk that reads 1.4 GB/s and writes 1.6 GB/s; "
+        "a trained parameter each way, 11 GiB for SD1.5; the fix keeps the gradients in RAM), reading the next sub "
+        "group and writing the last while one steps: 15 - 22 s a step for SD1.5 measured one sub group at a time "
+        "on a disk that reads 1.4 GB/s and writes 1.6 GB/s; "
         "`plan --nvme-path DIR --steps N` measures your disk and predicts the run's hours",
     ),
 ]

@@ -8,14 +8,16 @@ from .naming import model_names
 from .proxy import is_proxy
 
 
-def _is_optimizer(obj):
+def is_optimizer(obj):
+    """A torch optimizer, or accelerate's DummyOptim, among prepare()'s arguments."""
     if isinstance(obj, torch.optim.Optimizer):
         return True
     # accelerate's DummyOptim (optimizer defined in the DeepSpeed config) is no torch Optimizer.
     return type(obj).__name__ == "DummyOptim" and hasattr(obj, "params")
 
 
-def _optimizer_params(optimizer):
+def optimizer_params(optimizer):
+    """Every parameter an optimizer (or DummyOptim) holds, group by group."""
     if isinstance(optimizer, torch.optim.Optimizer):
         groups = optimizer.param_groups
     else:
@@ -50,7 +52,7 @@ class MergePlan:
         self.positions = [i for i, obj in enumerate(args) if isinstance(obj, torch.nn.Module)]
         self.models = [args[i] for i in self.positions]
         self.names = model_names(self.models)
-        self.optimizers = [obj for obj in args if _is_optimizer(obj)]
+        self.optimizers = [obj for obj in args if is_optimizer(obj)]
 
     def label(self, index):
         """How messages name the model at ``index`` of self.models: merged name, class and argument number."""
@@ -77,7 +79,7 @@ class MergePlan:
         if self.optimizers:
             self._check_optimizer_covered(self.optimizers[0])
             if offload_device not in (None, "none") and force_cpu_optimizer:
-                _check_offloadable(self.optimizers[0], offload_device)
+                check_offloadable(self.optimizers[0], offload_device)
 
     def _check_each_model_once(self):
         for later, model in enumerate(self.models):
@@ -101,7 +103,7 @@ class MergePlan:
 
     def _check_optimizer_covered(self, optimizer):
         known = {id(p) for model in self.models for p in model.parameters()}
-        strays = [p for p in _optimizer_params(optimizer) if id(p) not in known]
+        strays = [p for p in optimizer_params(optimizer) if id(p) not in known]
         if strays:
             shapes = ", ".join(str(tuple(p.shape)) for p in strays[:10])
             more = f" and {len(strays) - 10} more" if len(strays) > 10 else ""
@@ -136,7 +138,8 @@ def _offload_keeps(optimizer):
     return bits == 32 and cls.__name__ in BNB_32BIT_OFFLOADABLE
 
 
-def _check_offloadable(optimizer, device):
+def check_offloadable(optimizer, device):
+    """Refuse, before anything is allocated, an optimizer DeepSpeed's offload to ``device`` cannot step."""
     if not isinstance(optimizer, torch.optim.Optimizer) or _offload_keeps(optimizer):
         return
     cls = type(optimizer)

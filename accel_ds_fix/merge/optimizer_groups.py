@@ -5,7 +5,7 @@ owns. Reads the argument list, decides the engines, and refuses what one engine 
 import torch
 
 from ..errors import MergeError
-from .merge_plan import MergePlan, _check_offloadable, _is_optimizer, _optimizer_params
+from .merge_plan import MergePlan, check_offloadable, is_optimizer, optimizer_params
 
 SUPPORTED_STAGES = (1, 2)
 
@@ -32,7 +32,7 @@ class EngineGroups:
     def __init__(self, args):
         self.args = list(args)
         self.plan = MergePlan(args)  # the models' names and labels, the once-only and not-prepared checks
-        self.optimizer_positions = [i for i, obj in enumerate(args) if _is_optimizer(obj)]
+        self.optimizer_positions = [i for i, obj in enumerate(args) if is_optimizer(obj)]
         self.scheduler_positions = [i for i, obj in enumerate(args) if _is_scheduler(obj)]
         self.groups = []
 
@@ -52,7 +52,7 @@ class EngineGroups:
         self._check_config(stage, fp16)
         if offload_device not in (None, "none") and force_cpu_optimizer:
             for position in self.optimizer_positions:
-                _check_offloadable(self.args[position], offload_device)
+                check_offloadable(self.args[position], offload_device)
         owner = self._owners()
         groups = [EngineGroup(p, self.args[p]) for p in self.optimizer_positions]
         frozen = []
@@ -116,7 +116,7 @@ class EngineGroups:
         owner, known = {}, {id(p) for m in self.plan.models for p in m.parameters()}
         for k, position in enumerate(self.optimizer_positions):
             strays = 0
-            for p in _optimizer_params(self.args[position]):
+            for p in optimizer_params(self.args[position]):
                 if id(p) in owner and owner[id(p)] != k:
                     models = [i for i, m in enumerate(self.plan.models) if any(q is p for q in m.parameters())]
                     raise MergeError(

@@ -11,7 +11,7 @@ from ..lookup import deepspeed_config, uses_deepspeed
 from ..memory import check as memory_check
 from ..patches import cpu_threads, gpu_block_release, old_accelerate, zero3_dtypes
 from . import engine_per_optimizer, engine_setup, gradient_explanation
-from .merge_plan import MergePlan, _is_optimizer
+from .merge_plan import MergePlan, is_optimizer
 from .merged_module import MergedModels
 
 
@@ -48,7 +48,7 @@ def prepare(wrapped, instance, args, kwargs):
     if models:  # one model too: without the op DeepSpeed would stop halfway through building the engine
         optimizer = next((obj for obj in args if isinstance(obj, torch.optim.Optimizer)), None)
         memory_check.check_prerequisites(models, optimizer, config, instance)
-    if models and sum(1 for obj in args if _is_optimizer(obj)) > 1:  # GAN-style: one engine per optimizer
+    if models and sum(1 for obj in args if is_optimizer(obj)) > 1:  # GAN-style: one engine per optimizer
         return engine_per_optimizer.prepare(wrapped, instance, args, kwargs, config)
     if len(models) < 2:
         return wrapped(*args, **kwargs)

@@ -1,5 +1,6 @@
 """The NVMe tier: what it needs from the machine (async_io op, direct I/O, room, locked memory), how fast a step is
-on a given disk, and the DeepSpeed patch that keeps the step's fp32 gradients in host memory.
+on a given disk, and the DeepSpeed patches of its step: the fp32 gradients kept in host memory, and each sub group
+let go of once the pipelined swapper has written it out.
 
 May use the top-level modules, ops and memory.model (the swap buffers' sizes).
 """

@@ -4,8 +4,8 @@ The shipped NVMe tier overlaps the disk with the step (``pipeline_read`` / ``pip
 group's Adam step runs, the next one is read and the previous one written. DeepSpeed 0.19.8's pipelined swapper
 never releases a sub group's host tensors after writing it out (its partitioned swapper does). After the first
 step that keeps Adam's two fp32 states of every sub group in host memory, 8 bytes a trained parameter (measured:
-+2.75 GiB at 302M parameters on the CPU; +8.5 GiB for SD1.5 on the GPU machine), which is where DeepSpeed's
-pipelining cost more host memory than the tier has. After the write is submitted the states live in the
++2.75 GiB at 302M parameters on the CPU; for SD1.5 on the GPU machine, `pipeline_read` with 8 buffers took 17.2
+GiB of host memory against 8.7 one sub group at a time: 7.3 GiB of it these states, the rest 4 more buffers). After the write is submitted the states live in the
 swapper's pinned buffers, which it holds until the write completes; the tensors are released as the partitioned
 swapper releases them. Applied to the DeepSpeed releases in ``versions.PIPELINED_SWAP_RELEASE`` only.
 """

@@ -17,8 +17,12 @@ note() { echo "$(date +%T) $*" | tee -a "$L/summary.txt"; }
 
 if [ "$SETUP" = 1 ]; then
     export TORCH_EXTENSIONS_DIR=/tmp/ext
-    mkdir -p /tmp/aio && for f in .debs/*.deb; do dpkg -x "$f" /tmp/aio; done
-    export CPATH=/tmp/aio/usr/include LIBRARY_PATH=/tmp/aio/usr/lib/x86_64-linux-gnu LD_LIBRARY_PATH=/tmp/aio/usr/lib/x86_64-linux-gnu
+    if [ -d .cache/libaio ]; then  # `python -m accel_ds_fix get-libaio .cache/libaio`: the fix sets the paths
+        export ACCEL_DS_FIX_LIBAIO="$REPO/.cache/libaio"
+    else
+        mkdir -p /tmp/aio && for f in .debs/*.deb; do dpkg -x "$f" /tmp/aio; done
+        export CPATH=/tmp/aio/usr/include LIBRARY_PATH=/tmp/aio/usr/lib/x86_64-linux-gnu LD_LIBRARY_PATH=/tmp/aio/usr/lib/x86_64-linux-gnu
+    fi
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade .whl/*.whl || note "wheels failed"
     python3 -m pip install -q --no-index --no-deps --no-build-isolation . || note "package install failed"
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/jan2023site "$K"/jan2023whl/*.whl || note "January 2023 wheels failed"

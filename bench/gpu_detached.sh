@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Long GPU work on the lent machine across several device calls: each call may run 10 minutes, the machine stays
+# while calls follow one another, and a detached job outlives the call that started it.
+#   bash bench/gpu_detached.sh start 'COMMANDS'   # runs COMMANDS detached (setsid), then waits like `wait`
+#   bash bench/gpu_detached.sh wait               # waits until the job is done or WAIT_S (560 s) passed
+# Each call ends by packing the job's log and its results folder ($RES, default /var/tmp/res: point the
+# commands' reports there) into $OUT/res.tar.gz, so every call brings back everything so far.
+set -u
+RES=${RES:-/var/tmp/res}; WAIT_S=${WAIT_S:-560}
+mkdir -p "$RES"
+if [ "$1" = start ]; then
+    rm -f "$RES/job.done"
+    RES=$RES setsid nohup bash -c "$2; echo \"job rc=\$?\" >\"$RES/job.done\"" >"$RES/job.log" 2>&1 </dev/null &
+fi
+t=$SECONDS
+while [ ! -e "$RES/job.done" ] && [ $((SECONDS - t)) -lt "$WAIT_S" ]; do sleep 10; done
+[ -e "$RES/job.done" ] && cat "$RES/job.done" || echo "job still running after $((SECONDS - t)) s"
+tail -25 "$RES/job.log"
+[ -n "${OUT:-}" ] && tar -czf "$OUT/res.tar.gz" -C "$(dirname "$RES")" "$(basename "$RES")"
