@@ -186,6 +186,12 @@ def main():
             print(f"round {round_} {mode:<5} {s['s_per_step']:6.2f} s/step, read {s['read_bytes_per_param']:5.1f} "
                   f"B/param, written {s['written_bytes_per_param']:5.1f} B/param, host {s['host_peak_gib']:.2f} GiB"
                   + (f", GPU reserved {s['gpu_reserved_gib']:.2f} GiB" if s["gpu_reserved_gib"] else ""), flush=True)
+            # each run's detail as it ends, and the report so far: a run cut off later keeps what came before
+            swaps = {name: statistics.median(ms[-args.steps:]) / 1000 for name, ms in run["timers"].items()}
+            print(f"  s per step {[round(x['seconds'], 2) for x in run['steps']]}, losses "
+                  f"{[round(x['loss'], 7) for x in run['steps']]}, timers (median s) "
+                  f"{ {k: round(v, 2) for k, v in sorted(swaps.items())} }", flush=True)
+            Path(args.out).write_text(json.dumps({"runs": runs}, indent=1))
     modes = args.modes.split(",")
     by_mode = {m: [r for r in runs if r["mode"] == m] for m in modes}
     losses = {m: [[s["loss"] for s in r["steps"]] for r in rs] for m, rs in by_mode.items()}
