@@ -39,11 +39,19 @@ def _release(version):
     return tuple(parts + [0] * (3 - len(parts)))
 
 
+# Found versions, kept: the NVMe patches ask on every sub group's swap (a metadata lookup reads the disk), and the
+# package a process has imported does not change under it. A package not found is asked again: it may be
+# installed later in the same process (a notebook's %pip install).
+_found = {}
+
+
 def installed_version(package):
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
+    if package not in _found:
+        try:
+            _found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return None
+    return _found[package]
 
 
 def older_than(package, release):

@@ -136,10 +136,6 @@ def largest_sub_group(work, s):
         return max((min(bound, g // W) for g in (work.groups or (work.trainable,))), default=0)
     largest = 0
     for sizes in work.param_sizes:
-        total = sum(-(-n // W) for n in sizes)
-        if total <= s.sub_group:  # DeepSpeed keeps a group that fits whole as one sub group
-            largest = max(largest, total)
-            continue
         current = 0
         for n in sizes:
             current += -(-n // W)

@@ -5,9 +5,10 @@ group's Adam step runs, the next one is read and the previous one written. DeepS
 never releases a sub group's host tensors after writing it out (its partitioned swapper does). After the first
 step that keeps Adam's two fp32 states of every sub group in host memory, 8 bytes a trained parameter (measured:
 +2.75 GiB at 302M parameters on the CPU; for SD1.5 on the GPU machine, `pipeline_read` with 8 buffers took 17.2
-GiB of host memory against 8.7 one sub group at a time: 7.3 GiB of it these states, the rest 4 more buffers). After the write is submitted the states live in the
-swapper's pinned buffers, which it holds until the write completes; the tensors are released as the partitioned
-swapper releases them. Applied to the DeepSpeed releases in ``versions.PIPELINED_SWAP_RELEASE`` only.
+GiB of host memory against 8.7 one sub group at a time: 7.3 GiB of it these states, the rest 4 more buffers).
+After the write is submitted the states live in the swapper's pinned buffers, which it holds until the write
+completes; the tensors are released as the partitioned swapper releases them. Applied to the DeepSpeed releases
+in ``versions.PIPELINED_SWAP_RELEASE`` only.
 """
 
 from .. import versions
