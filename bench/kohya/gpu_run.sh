@@ -4,12 +4,14 @@
 # (setsid); logs and reports in $L, $L/done at the end. Needs (docs/gpu.md lists them): .whl/ (DeepSpeed and
 # kohya's pins as wheels), .debs/ (libaio), .kohya/newest and .kohya/jan2023 (`git archive` of the two commits:
 # train_db.py, train_network.py, library/, networks/), .kohya/jan2023whl/ (the January 2023 scripts' diffusers, transformers...).
-# CPU rehearsal (EXTRA_PATH: a torchvision stand-in where none loads): EXTRA_PATH=/tmp/tvstub MP=bf16 RES=64 TINY=--tiny
-#   CAP= SETUP=0 IN=/tmp/intiny L=/tmp/kvcpu OUTD=/tmp/kvcpu_out RUNS="A R" STEPS=3 bash bench/kohya/gpu_run.sh
+# CPU rehearsal (EXTRA_PATH: a torchvision stand-in where none loads; UNET_CHANNELS: kohya's UNet narrowed, see
+# kohya_val.py, since SD1.5's width does not fit a small machine's RAM under zero2-offload): EXTRA_PATH=/tmp/tvstub
+#   MP=bf16 RESOLUTION=64 TINY=--tiny UNET_CHANNELS=32,64,64,64 CAP= SETUP=0 IN=/tmp/insmall L=/tmp/kvcpu
+#   OUTD=/tmp/kvcpu_out RUNS="ZA ZS ZR" STEPS=4 bash bench/kohya/gpu_run.sh
 set -u
 REPO=$(pwd); K=$REPO/.kohya; KIT=$REPO/bench/kohya
 L=${L:-/tmp/kv}; IN=${IN:-/tmp/in}; OUTD=${OUTD:-/var/tmp/out}
-MP=${MP:-fp16}; RES=${RES:-512}; TINY=${TINY:-}; CAP=${CAP-6}; SETUP=${SETUP:-1}; RUNS=${RUNS:-A R S3N Z B S3O}; STEPS=${STEPS:-4}
+MP=${MP:-fp16}; RESOLUTION=${RESOLUTION:-512}; TINY=${TINY:-}; UNET_CHANNELS=${UNET_CHANNELS:-}; CAP=${CAP-6}; SETUP=${SETUP:-1}; RUNS=${RUNS:-A R S3N Z B S3O}; STEPS=${STEPS:-4}
 mkdir -p "$L" "$OUTD"; rm -f "$L/done"
 exec >>"$L/main.log" 2>&1
 export PYTHONUNBUFFERED=1 USE_FLAX=0 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -32,13 +34,13 @@ if [ "$SETUP" = 1 ]; then
     df -h /var/tmp /tmp | tee -a "$L/summary.txt"; stat -f -c 'var/tmp fs %T' /var/tmp | tee -a "$L/summary.txt"
     t=$(date +%s); python3 -m accel_ds_fix build-ops >"$L/ops.log" 2>&1; note "build-ops rc=$? $(( $(date +%s) - t ))s"
 fi
-[ -d "$IN/model" ] || { t=$(date +%s); python3 "$KIT/make_inputs.py" "$IN" $TINY --resolution "$RES" >"$L/inputs.log" 2>&1; note "inputs rc=$? $(( $(date +%s) - t ))s"; }
+[ -d "$IN/model" ] || { t=$(date +%s); python3 "$KIT/make_inputs.py" "$IN" $TINY ${UNET_CHANNELS:+--unet-channels "$UNET_CHANNELS"} --resolution "$RESOLUTION" >"$L/inputs.log" 2>&1; note "inputs rc=$? $(( $(date +%s) - t ))s"; }
 
 LAUNCH="accelerate launch"; command -v accelerate >/dev/null || LAUNCH="python3 -m accelerate.commands.launch"
 # kohya NAME YAML newest|jan2023 TIMEOUT ARGS...: one launch, its log, report (losses, peaks) and wall time
 kohya() {
     local name=$1 yaml=$2 which=$3 limit=$4; shift 4
-    local extra=() envs=(ACCEL_DS_FIX=1 KOHYA_VAL_OUT="$L/$name.json" KOHYA_VAL_CAP_GIB="$CAP")
+    local extra=() envs=(ACCEL_DS_FIX=1 KOHYA_VAL_OUT="$L/$name.json" KOHYA_VAL_CAP_GIB="$CAP" KOHYA_VAL_UNET_CHANNELS="$UNET_CHANNELS")
     if [ "$which" = jan2023 ]; then envs+=(PYTHONPATH=/tmp/jan2023site${EXTRA_PATH:+:$EXTRA_PATH} KOHYA_VAL_JAN2023_SHIM=1)
     else extra=(--tokenizer_cache_dir "$IN/tokenizer_cache"); [ -n "${EXTRA_PATH:-}" ] && envs+=(PYTHONPATH="$EXTRA_PATH"); fi
     rm -rf /var/tmp/accel_ds_fix_nvme
@@ -47,7 +49,7 @@ kohya() {
     [ "$yaml" = none ] && config=(--num_processes 1 --num_machines 1 --mixed_precision "$MP" --dynamo_backend no)
     (cd "$IN" && env "${envs[@]}" timeout "$limit" $LAUNCH "${config[@]}" "$K/$which/$script" \
         --pretrained_model_name_or_path "$IN/model" --train_data_dir "$IN/train_data" --output_dir "$OUTD/$name" \
-        --mixed_precision "$MP" --gradient_checkpointing --learning_rate 1e-6 --train_batch_size 1 --resolution "$RES" \
+        --mixed_precision "$MP" --gradient_checkpointing --learning_rate 1e-6 --train_batch_size 1 --resolution "$RESOLUTION" \
         --seed 42 --save_model_as ${SAVE_AS:-diffusers_safetensors} "${extra[@]}" "$@") >"$L/$name.log" 2>&1
     local rc=$?
     note "$name ($which, $yaml) rc=$rc $(( $(date +%s) - t ))s; out: $(ls "$OUTD/$name" 2>/dev/null | tr '\n' ' ')"
@@ -72,6 +74,9 @@ for run in $RUNS; do
         ZA)  kohya ZA accelerate_zero2_offload.yaml newest 600 --max_train_steps $STEPS --save_state --save_every_n_epochs 1 \
                  --save_last_n_epochs 1 --save_last_n_epochs_state 1
              rm -rf "$OUTD/ZA/last-state" ;;
+        # the same state resumed in its own layout: what ZR's losses are compared with (kohya's resume alone)
+        ZS)  st=$(ls -d "$OUTD"/ZA/*000001-state 2>/dev/null | head -1)
+             [ -n "$st" ] && COMPARE_WITH="$OUTD/ZA/last" kohya ZS accelerate_zero2_offload.yaml newest 600 --resume "$st" --max_train_steps $((STEPS - 2)) ;;
         ZR)  st=$(ls -d "$OUTD"/ZA/*000001-state 2>/dev/null | head -1)
              [ -n "$st" ] && COMPARE_WITH="$OUTD/ZA/last" kohya ZR accelerate_zero3_nvme.yaml newest 900 --resume "$st" --max_train_steps $((STEPS - 2))
              [ -n "$st" ] && du -sh "$(dirname "$st")"/.accel_ds_fix-universal.* | tee -a "$L/summary.txt"

@@ -6,6 +6,9 @@
   calls, peak GPU allocated/reserved and the process's peak RSS.
 - KOHYA_VAL_JAN2023_SHIM=1: the two accelerate behaviours kohya's January 2023 train_db.py (bf691aef, written for accelerate 0.15) needs
   from accelerate >= 1.7: Accelerator(logging_dir=...) and unwrap_model("dummy", True) without an error.
+- KOHYA_VAL_UNET_CHANNELS=32,64,64,64: kohya's own UNet (library/original_unet.py, whose widths are module constants
+  fixed at SD1.5's) built this narrow, to match `make_inputs.py --unet-channels`: the SD1.5 layout at a size that a
+  CPU machine trains under every tier (a rehearsal; the script itself is not changed).
 """
 import atexit
 import json
@@ -59,7 +62,16 @@ def _patch(accelerate):
     cls.__init__, cls.backward, cls.unwrap_model = __init__, backward_, unwrap_model
 
 
+def _narrow_unet(original_unet):
+    channels = tuple(int(c) for c in os.environ["KOHYA_VAL_UNET_CHANNELS"].split(","))
+    original_unet.BLOCK_OUT_CHANNELS = channels
+    original_unet.TIMESTEP_INPUT_DIM = channels[0]
+    original_unet.TIME_EMBED_DIM = channels[0] * 4
+
+
 if OUT:
     import wrapt
     wrapt.register_post_import_hook(_patch, "accelerate")
+    if os.environ.get("KOHYA_VAL_UNET_CHANNELS"):
+        wrapt.register_post_import_hook(_narrow_unet, "library.original_unet")
     atexit.register(_write)

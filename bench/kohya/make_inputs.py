@@ -2,7 +2,7 @@
 encoder, VAE, scheduler), a CLIP tokenizer with a byte-level vocabulary (kohya's --tokenizer_cache_dir layout and
 the January 2023 scripts' relative "openai/clip-vit-large-patch14" folder), and N random 512 px images in "1_sks dog".
 
-python make_inputs.py OUT [--tiny] [--images N]
+python make_inputs.py OUT [--tiny [--unet-channels 32,64,64,64]] [--images N]
 """
 import argparse
 import json
@@ -15,6 +15,8 @@ from PIL import Image
 p = argparse.ArgumentParser()
 p.add_argument("out")
 p.add_argument("--tiny", action="store_true", help="tiny text encoder and VAE, SD1.5 UNet layout with 32-wide cross-attention")
+p.add_argument("--unet-channels", help="with --tiny: the UNet's block widths, e.g. 32,64,64,64 (kohya_val's "
+               "KOHYA_VAL_UNET_CHANNELS builds kohya's UNet alike); default SD1.5's 320,640,1280,1280")
 p.add_argument("--images", type=int, default=2)
 p.add_argument("--resolution", type=int, default=512)
 a = p.parse_args()
@@ -39,7 +41,8 @@ for where in ("tokenizer_cache/openai_clip-vit-large-patch14", "openai/clip-vit-
 
 if a.tiny:
     # kohya's newest script always builds the SD1.5 UNet layout and loads these weights into it
-    unet = UNet2DConditionModel(sample_size=8, cross_attention_dim=32, attention_head_dim=8)
+    widths = tuple(int(c) for c in a.unet_channels.split(",")) if a.unet_channels else (320, 640, 1280, 1280)
+    unet = UNet2DConditionModel(sample_size=8, cross_attention_dim=32, attention_head_dim=8, block_out_channels=widths)
     te = CLIPTextModel(CLIPTextConfig(vocab_size=49408, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, max_position_embeddings=77, projection_dim=32, hidden_act="quick_gelu"))
     vae = AutoencoderKL(block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
