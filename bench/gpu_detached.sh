@@ -11,9 +11,13 @@ mkdir -p "$RES"
 if [ "$1" = start ]; then
     rm -f "$RES/job.done"
     RES=$RES setsid nohup bash -c "$2; echo \"job rc=\$?\" >\"$RES/job.done\"" >"$RES/job.log" 2>&1 </dev/null &
+elif [ ! -e "$RES/job.log" ]; then
+    # the machine that ran the job went back (idle past its limit) and this call got a fresh one: waiting here
+    # would only spend device time (run 10 lost 540 s so)
+    echo "no job on this machine: it is a fresh one (the job's machine went back); call start again"; exit 3
 fi
 t=$SECONDS
 while [ ! -e "$RES/job.done" ] && [ $((SECONDS - t)) -lt "$WAIT_S" ]; do sleep 10; done
 [ -e "$RES/job.done" ] && cat "$RES/job.done" || echo "job still running after $((SECONDS - t)) s"
 tail -25 "$RES/job.log"
-[ -n "${OUT:-}" ] && tar -czf "$OUT/res.tar.gz" -C "$(dirname "$RES")" "$(basename "$RES")"
+if [ -n "${OUT:-}" ]; then tar -czf "$OUT/res.tar.gz" -C "$(dirname "$RES")" "$(basename "$RES")"; fi
