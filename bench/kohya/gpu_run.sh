@@ -61,12 +61,15 @@ print('  losses', [round(x, 6) for x in r['losses']], 'peak alloc %.2f reserved 
     return $rc
 }
 
+# the state a run NAME saved after its first epoch (empty if none): what R, ZS and ZR resume
+epoch1_state() { ls -d "$OUTD/$1"/*000001-state 2>/dev/null | head -1; }
+
 for run in $RUNS; do
     case $run in
         A)   kohya A accelerate_zero3_nvme.yaml newest 900 --max_train_steps $STEPS --save_state --save_every_n_epochs 1 \
                  --save_last_n_epochs 1 --save_last_n_epochs_state 1
              rm -rf "$OUTD/A/last-state" ;;
-        R)   st=$(ls -d "$OUTD"/A/*000001-state 2>/dev/null | head -1)
+        R)   st=$(epoch1_state A)
              [ -n "$st" ] && COMPARE_WITH="$OUTD/A/last" kohya R accelerate_zero3_nvme.yaml newest 600 --resume "$st" --max_train_steps $((STEPS - 2))
              rm -rf "$OUTD/A"/*-state ;;
         # issue 20: a state saved under zero2-offload resumed under zero3-nvme (the move when RAM is short): the
@@ -75,9 +78,9 @@ for run in $RUNS; do
                  --save_last_n_epochs 1 --save_last_n_epochs_state 1
              rm -rf "$OUTD/ZA/last-state" ;;
         # the same state resumed in its own layout: what ZR's losses are compared with (kohya's resume alone)
-        ZS)  st=$(ls -d "$OUTD"/ZA/*000001-state 2>/dev/null | head -1)
+        ZS)  st=$(epoch1_state ZA)
              [ -n "$st" ] && COMPARE_WITH="$OUTD/ZA/last" kohya ZS accelerate_zero2_offload.yaml newest 600 --resume "$st" --max_train_steps $((STEPS - 2)) ;;
-        ZR)  st=$(ls -d "$OUTD"/ZA/*000001-state 2>/dev/null | head -1)
+        ZR)  st=$(epoch1_state ZA)
              [ -n "$st" ] && COMPARE_WITH="$OUTD/ZA/last" kohya ZR accelerate_zero3_nvme.yaml newest 900 --resume "$st" --max_train_steps $((STEPS - 2))
              [ -n "$st" ] && du -sh "$(dirname "$st")"/.accel_ds_fix-universal.* | tee -a "$L/summary.txt"
              grep -h "universal checkpoint format\|universal copy" "$L/ZR.log" | tee -a "$L/summary.txt"

@@ -20,6 +20,8 @@ p.add_argument("--unet-channels", help="with --tiny: the UNet's block widths, e.
 p.add_argument("--images", type=int, default=2)
 p.add_argument("--resolution", type=int, default=512)
 a = p.parse_args()
+if a.unet_channels and not a.tiny:
+    p.error("--unet-channels narrows the --tiny model's UNet: add --tiny (the full-size inputs are SD1.5's widths)")
 torch.manual_seed(0)
 os.makedirs(a.out, exist_ok=True)
 
