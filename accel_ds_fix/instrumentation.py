@@ -46,6 +46,11 @@ PATCHES = {
     "deepspeed.runtime.zero.stage3": {
         "DeepSpeedZeroOptimizer_Stage3._offload_grad_partition_at_boundary": "nvme.host_gradients.keep_on_host",
         "DeepSpeedZeroOptimizer_Stage3._swap_out_offload_fp32_gradients": "nvme.host_gradients.hand_to_swapper",
+        # and the last sub groups within the config's host-memory budget kept off the disk
+        "DeepSpeedZeroOptimizer_Stage3._swappable_optimizer_subgroup": "nvme.sub_groups_in_ram.swappable",
+    },
+    "deepspeed.runtime.engine": {
+        "DeepSpeedEngine._configure_zero_optimizer": "nvme.sub_groups_in_ram.while_building",
     },
     # ZeRO-3 NVMe optimizer offload, pipelined: a sub group's host tensors released once its write is submitted
     "deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper": {

@@ -16,6 +16,8 @@ SUPPORTED = {
 NVME_GRADIENTS_IN_RAM = ("0.19.8", "0.19.8")
 # DeepSpeed releases whose pipelined NVMe optimizer swapper nvme/pipelined_swap.py was written against and tested with.
 PIPELINED_SWAP_RELEASE = ("0.19.8", "0.19.8")
+# DeepSpeed releases whose ZeRO-3 sub group swapping nvme/sub_groups_in_ram.py was written against and tested with.
+NVME_SUB_GROUPS_IN_RAM = ("0.19.8", "0.19.8")
 
 # DeepSpeed releases whose CPU shm op patches/shm_segments.py was checked against: the segment name
 # (shm.cpp), the LOCAL_SIZE condition (shm_interface.cpp) and TorchBackend.__init__ are the same in 0.14.4 and

@@ -57,12 +57,14 @@ def worker(args):
     config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
     if args.tiny:  # sub groups above aio's 1 MiB block, so that they are swapped
         config["zero_optimization"]["sub_group_size"] = 300000
+    if args.mode != "host":  # the sub groups kept in RAM (nvme/sub_groups_in_ram.py) are the shipped tier's only
+        config.pop("accel_ds_fix", None)
     if args.mode in ("serial", "disk"):  # the tier before pipelining: one sub group at a time, 50M elements each
         config["zero_optimization"]["offload_optimizer"].update(buffer_count=4, pipeline_read=False,
                                                                 pipeline_write=False)
         if not args.tiny:
             config["zero_optimization"]["sub_group_size"] = 50000000
-    if args.sub_group_size and args.mode == "host":
+    if args.sub_group_size and args.mode in ("host", "noram"):
         config["zero_optimization"]["sub_group_size"] = args.sub_group_size
     if args.mode == "ram":  # the reference: the same ZeRO-3 layout with the optimizer in host memory, no disk
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -105,7 +107,13 @@ def worker(args):
         read1, write1 = io_bytes()
         steps.append({"loss": loss.item(), "seconds": time.perf_counter() - started,
                       "read_bytes": read1 - read0, "written_bytes": write1 - write0})
-    result = {"mode": args.mode, "trained": trained, "steps": steps,
+    from accel_ds_fix.nvme import sub_groups_in_ram
+
+    zero = accelerator.deepspeed_engine_wrapped.engine.optimizer
+    kept = sub_groups_in_ram.kept_sub_groups(zero)
+    result = {"mode": args.mode, "trained": trained, "steps": steps, "sub_groups": len(zero.fp16_groups),
+              "sub_groups_in_ram": kept, "elements_in_ram": sum(int(zero.fp16_partitioned_groups_flat_numel[i])
+                                                               for i in kept),
               "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB}
     if cuda:
         result.update(gpu_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
@@ -156,7 +164,9 @@ def main():
                    help="deterministic GPU kernels, so that runs can be compared bit for bit")
     p.add_argument("--out", default="nvme_step.json")
     p.add_argument("--modes", default="host,serial,disk",
-                   help="host: the shipped tier (pipelined swaps, the fix's gradients in RAM); serial: the same, one "
+                   help="host: the shipped tier (pipelined swaps, the fix's gradients in RAM, its last sub groups "
+                        "in RAM within accel_ds_fix.nvme_optimizer_ram_gib); noram: the same, every sub group on the "
+                        "disk; serial: that, one "
                         "sub group at a time (the tier before pipelining); disk: serial with DeepSpeed's own gradient "
                         "swap (ACCEL_DS_FIX_NVME_GRADIENTS=disk), what DeepSpeed does alone; ram: the optimizer in "
                         "RAM instead of NVMe (reference)")
@@ -183,6 +193,9 @@ def main():
             run["summary"] = summary(run)
             runs.append(run)
             s = run["summary"]
+            if run.get("sub_groups_in_ram"):
+                print(f"  {len(run['sub_groups_in_ram'])} of {run['sub_groups']} sub groups in RAM, "
+                      f"{run['elements_in_ram'] / 1e6:.1f}M parameters", flush=True)
             print(f"round {round_} {mode:<5} {s['s_per_step']:6.2f} s/step, read {s['read_bytes_per_param']:5.1f} "
                   f"B/param, written {s['written_bytes_per_param']:5.1f} B/param, host {s['host_peak_gib']:.2f} GiB"
                   + (f", GPU reserved {s['gpu_reserved_gib']:.2f} GiB" if s["gpu_reserved_gib"] else ""), flush=True)
@@ -202,7 +215,7 @@ def main():
         print(f"{m:<5} losses of the first run: {', '.join(f'{x:.7f}' for x in losses[m][0])}")
     equal = all(run == losses[modes[0]][0] for ls in losses.values() for run in ls)
     print(f"losses equal in every run: {equal}")
-    for a, b in (("host", "disk"), ("serial", "disk"), ("host", "serial")):
+    for a, b in (("host", "disk"), ("noram", "disk"), ("host", "noram"), ("serial", "disk"), ("host", "serial")):
         if a in medians and b in medians:
             moved = {m: medians[m]["read_bytes_per_param"] + medians[m]["written_bytes_per_param"] for m in (a, b)}
             print(f"step time {a}/{b}: {medians[a]['s_per_step'] / medians[b]['s_per_step']:.2f}x; bytes a parameter "

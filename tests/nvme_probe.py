@@ -66,6 +66,7 @@ def main():
     p.add_argument("--steps", type=int, default=4, help="batches")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--pipelined", action="store_true", help="the shipped tier's way: pipeline_read and pipeline_write")
+    p.add_argument("--ram-gib", type=float, default=None, help="accel_ds_fix.nvme_optimizer_ram_gib in the config")
     p.add_argument("--save-state", help="save_state into this folder after --save-after batches")
     p.add_argument("--save-after", type=int, default=0)
     p.add_argument("--resume", help="load_state from this folder first, and skip --first-step batches")
@@ -85,6 +86,8 @@ def main():
         },
         "aio": {"block_size": 262144, "queue_depth": 8, "intra_op_parallelism": 1},
     }
+    if args.ram_gib is not None:
+        config["accel_ds_fix"] = {"nvme_optimizer_ram_gib": args.ram_gib}
     if args.pipelined:
         config["zero_optimization"]["offload_optimizer"].update(buffer_count=12, pipeline_read=True,
                                                                 pipeline_write=True)
@@ -124,7 +127,10 @@ def main():
     print(json.dumps({"losses": losses, "read_bytes": read1 - read0, "write_bytes": write1 - write0,
                       "optimizer_steps": optimizer_steps, "trained": trained, "swap_files": swap_files,
                       "swapped_sub_groups": len(held), "elements_held_of_swapped_sub_groups": sum(held),
-                      "largest_sub_group": max(zero.fp16_partitioned_groups_flat_numel)}))
+                      "largest_sub_group": max(zero.fp16_partitioned_groups_flat_numel),
+                      "sub_groups": len(zero.fp16_groups),
+                      "sub_groups_in_ram": [i for i in range(len(zero.fp16_groups)) if not zero._swappable_optimizer_subgroup(i)],
+                      "sub_group_sizes": [int(n) for n in zero.fp16_partitioned_groups_flat_numel]}))
 
 
 if __name__ == "__main__":

@@ -302,6 +302,22 @@ def too_large_for_host(reference):
     acc.prepare(unet, te, opt, data())
 
 
+@scenario
+def nvme_ram_too_large_for_host(reference):
+    # The NVMe tier with more of its sub groups kept in RAM (accel_ds_fix.nvme_optimizer_ram_gib) than the host
+    # has: 1.8 billion parameters on the meta device, 16 bytes each kept, and argv[2] the swap folder.
+    single_process_env()
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 3, "sub_group_size": 100_000_000,
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": sys.argv[2]}},
+              "accel_ds_fix": {"nvme_optimizer_ram_gib": 64}}
+    acc = Accelerator(mixed_precision="bf16", deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    with torch.device("meta"):
+        unet, te = torch.nn.Linear(30000, 30000), torch.nn.Linear(30000, 30000)
+    opt = torch.optim.AdamW([*unet.parameters(), *te.parameters()], lr=1e-2)
+    acc.prepare(unet, te, opt, data())
+
+
 def after_one_backward():
     """The merged models after one accelerator.backward (argv[2]: the ZeRO stage); gives the accelerator and the
     text encoder, whose embedding gradients the scenarios below read."""

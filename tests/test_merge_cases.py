@@ -1,11 +1,15 @@
 """Edge cases of merging, each in its own process on the real stack."""
 
 import json
+import re
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from conftest import SCENARIOS, clean_env, run
+from conftest import SCENARIOS, clean_env, run, skip_without_nvme
 
 
 def result(proc):
@@ -160,6 +164,24 @@ def test_training_too_large_for_the_host_stops_before_allocating(scenario):
     assert "GiB needed at the peak" in line and "GiB available" in line
     assert "3000.1M parameters, 3000.1M trainable" in line
     assert "Nothing was allocated. Set ACCEL_DS_FIX_MEMORY_CHECK=warn to go on anyway." in line
+
+
+def test_nvme_sub_groups_kept_in_ram_beyond_the_host_are_named_with_what_fits(scenario, request):
+    skip_without_nvme()
+    from accel_ds_fix.memory import tiers
+
+    # a folder on a disk (the NVMe check refuses a tmpfs /tmp before the memory check is reached)
+    tmp_path = Path(tempfile.mkdtemp(dir=Path(tiers.DEFAULT_NVME_PATH).parent))
+    request.addfinalizer(lambda: shutil.rmtree(tmp_path, ignore_errors=True))
+    line = next(line for line in refused(scenario, "nvme_ram_too_large_for_host", tmp_path).splitlines()
+                if "MemoryPlanError: accel_ds_fix:" in line)
+    assert "accel_ds_fix: this training will not fit: host memory: about " in line
+    kept = re.search(r"; of the host memory, ([0-9.]+) GiB are the optimizer sub groups the config keeps off the "
+                     r"disk \(accel_ds_fix.nvme_optimizer_ram_gib: 64\)(: set it to ([0-9.]+) \(slower steps, the "
+                     r"same training\)|, and even with none kept the rest needs about [0-9.]+ GiB more)", line)
+    assert kept and float(kept.group(1)) == pytest.approx(1800.1e6 * 16 / 2**30, abs=0.1)  # every sub group
+    assert kept.group(3) is None or float(kept.group(3)) < float(kept.group(1))
+    assert "Nothing was allocated." in line and not list(tmp_path.iterdir())
 
 
 def test_memory_check_setting_not_understood_is_said_and_the_check_stays_on():

@@ -73,22 +73,72 @@ def test_pipelined_swaps_train_the_same_and_keep_no_sub_group_in_host_memory(dis
     assert not [f for f in pipelined["swap_files"] if "_gradient_" in f]
 
 
+# accel_ds_fix.nvme_optimizer_ram_gib of the probe's config: its last two sub groups (263K and 1.05M elements, 16
+# bytes each) fit, the two before them are swapped
+RAM = ["--ram-gib", "0.02"]
+
+
+def test_sub_groups_kept_in_ram_train_the_same_with_fewer_bytes_through_the_disk(disk_folder):
+    # The shipped tier keeps its last sub groups within a host-memory budget off the disk: the same values in the
+    # step (DeepSpeed's CPU Adam steps them either way), 24 bytes a kept parameter less through the disk.
+    skip_without_nvme()
+    kept = probe(disk_folder / "kept", "host", "--pipelined", "--steps", "6", *RAM)
+    every = probe(disk_folder / "every", "host", "--pipelined", "--steps", "6")
+    assert kept["losses"] == every["losses"] and kept["losses"][-1] != kept["losses"][0]
+    sizes = kept["sub_group_sizes"]
+    assert every["sub_groups_in_ram"] == [] and kept["sub_groups_in_ram"] == [len(sizes) - 2, len(sizes) - 1]
+    assert kept["swapped_sub_groups"] == len(sizes) - 2 and kept["elements_held_of_swapped_sub_groups"] == 0
+    assert len(kept["swap_files"]) == 3 * kept["swapped_sub_groups"]  # weights and two Adam states each
+    swapped = sum(n for i, n in enumerate(sizes) if i not in kept["sub_groups_in_ram"]) / sum(sizes)
+    assert kept["write_bytes"] == pytest.approx(every["write_bytes"] * swapped, rel=0.03)
+
+
+def test_an_nvme_checkpoint_resumes_as_if_never_interrupted_in_its_layout_and_under_another_budget(disk_folder):
+    # DeepSpeed 0.19.8 copies the swap files back but its swapper never learns of the Adam states in them: the
+    # resumed step started Adam over (moments zero, step 1). With the fix the resumed run goes on bit for bit as
+    # the uninterrupted one, in the layout that saved it, and converted (one line) where the sub groups kept in
+    # RAM differ (the shipped tier's budget against a config without one).
+    skip_without_nvme()
+    ckpt = disk_folder / "ckpt"
+    whole = probe(disk_folder / "whole", "host", "--pipelined", "--steps", "6")
+    probe(disk_folder / "save", "host", "--pipelined", "--steps", "3", "--save-state", ckpt, "--save-after", "3")
+    resume = [sys.executable, PROBE, disk_folder / "resume", "--pipelined", "--steps", "6", "--resume", ckpt,
+              "--first-step", "3"]
+    same = json.loads(run(resume).stdout.strip().splitlines()[-1])
+    assert same["losses"] == whole["losses"][3:] and len(set(same["losses"])) == 3
+    proc = run([*resume, *RAM])
+    other = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "optimizer on NVMe, bf16; this run is ZeRO-3, 1 process, optimizer on NVMe (2 sub group(s) of it in RAM)," \
+           " bf16: converted it" in proc.stderr
+    assert other["sub_groups_in_ram"] and other["losses"] == whole["losses"][3:]
+
+
 def test_a_run_killed_in_the_middle_of_a_pipelined_step_resumes_its_checkpoint(disk_folder):
-    # kill -9 while a sub group's write is in flight and the next one is being read: the swap folder is left
-    # half-stepped; a new run resuming the checkpoint gives the losses of a clean resume, bit for bit.
+    # kill -9 while a sub group's write is in flight and the next one is being read, as the shipped tier runs
+    # (its last sub groups in RAM): the swap folder is left half-stepped; a new run resuming the checkpoint gives
+    # the losses of a clean resume, which are the uninterrupted run's, bit for bit.
     skip_without_nvme()
     ckpt, swap = disk_folder / "ckpt", disk_folder / "swap"
-    probe(swap, "host", "--pipelined", "--steps", "3", "--save-state", ckpt, "--save-after", "3")
-    resume = ["--pipelined", "--steps", "6", "--resume", ckpt, "--first-step", "3"]
+    probe(swap, "host", "--pipelined", *RAM, "--steps", "3", "--save-state", ckpt, "--save-after", "3")
+    resume = ["--pipelined", *RAM, "--steps", "6", "--resume", ckpt, "--first-step", "3"]
     clean = probe(disk_folder / "clean", "host", *resume)
+    whole = probe(disk_folder / "whole", "host", "--pipelined", *RAM, "--steps", "6")
     groups = clean["swapped_sub_groups"]
-    assert groups >= 3 and len(clean["losses"]) == 3
+    assert groups >= 2 and clean["sub_groups_in_ram"] and clean["losses"] == whole["losses"][3:]
     killed = run([sys.executable, PROBE, swap, *resume, "--kill-at-swap-out", str(groups + groups // 2)],
                  env=clean_env(), check=False)
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert '"losses"' not in killed.stdout  # it died in its second step, before its results
     after = probe(swap, "host", *resume)
     assert after["losses"] == clean["losses"]
+
+
+def test_a_budget_that_is_not_one_is_refused_before_anything_is_allocated(disk_folder):
+    proc = run([sys.executable, PROBE, disk_folder / "bad", "--ram-gib", "-1"], env=clean_env(), check=False)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert ("ConfigError: accel_ds_fix: accel_ds_fix.nvme_optimizer_ram_gib in the DeepSpeed config is -1.0; it must "
+            "be a number of GiB, 0 or more") in proc.stderr and "Nothing was allocated" in proc.stderr
+    assert not (disk_folder / "bad").exists()  # DeepSpeed never started: no swap folder
 
 
 def _hide_system_libaio():
@@ -169,18 +219,23 @@ def test_plan_measures_the_nvme_folder_and_predicts_the_run(disk_folder):
     assert list(disk_folder.iterdir()) == []  # the measuring files are gone
     rows = {r["gradient_accumulation"]: r for r in timing["per_accumulation"]}
     assert sorted(rows) == [1, 2, 4]
-    # 12 bytes a trained parameter each way, once per optimizer step, whatever the accumulation; the shipped tier
-    # reads and writes at once (pipelined), at the speed measured that way.
+    # 12 bytes a swapped parameter each way, once per optimizer step, whatever the accumulation; the shipped tier
+    # reads and writes at once (pipelined), at the speed measured that way, and keeps its last sub groups in the
+    # host memory this laptop leaves (the plan lowers the shipped 1.5 GiB to fit 15 GiB), off the disk.
     assert timing["pipelined"] and timing["both_gb_per_s"] > 0
-    disk = 2 * 12 * 983e6 / 1e9 / timing["both_gb_per_s"]
+    assert 0 < timing["kept_in_ram_gib"] < 1.5 and 0 < timing["trained_in_ram"] < 100e6
+    swapped = 983e6 - timing["trained_in_ram"]
+    disk = 2 * 12 * swapped / 1e9 / timing["both_gb_per_s"]
     for k, r in rows.items():
         assert r["disk_seconds"] == pytest.approx(disk, abs=0.1)
         assert r["seconds_per_step"] == pytest.approx(disk + k * timing["compute_seconds"], abs=0.2)
         assert r["hours"] == pytest.approx(1600 * r["seconds_per_step"] / 3600, abs=0.1)
-        assert r["disk_written_gb"] == pytest.approx(1600 * 12 * 983e6 / 1e9, rel=0.01)
+        assert r["disk_written_gb"] == pytest.approx(1600 * 12 * swapped / 1e9, rel=0.01)
     text = run([sys.executable, "-m", "accel_ds_fix", "plan", *LAPTOP, "--nvme-path", disk_folder, "--steps", "1600"]).stdout
     assert f"NVMe folder {disk_folder}: its disk reads " in text and "hours for 1600 steps" in text
     assert "GB/s reading and writing at once" in text
+    assert f"M of the trained parameters step in RAM, off the disk: the config's accel_ds_fix.nvme_optimizer_ram_gib, " \
+           f"{timing['kept_in_ram_gib']} GiB)" in text
 
 
 def test_get_libaio_unpacks_debians_packages_without_root_or_says_the_system_has_it(tmp_path):

@@ -21,6 +21,7 @@ import torch
 
 from .. import notices
 from ..errors import CheckpointError
+from ..nvme import sub_groups_in_ram
 from . import universal_copy
 
 
@@ -35,7 +36,7 @@ def of_engine(engine):
 
     zero = engine._config.zero_config
     precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
-    return {
+    layout = {
         "zero_stage": int(engine.zero_optimization_stage()),
         "world_size": int(engine.dp_world_size),
         "offload_optimizer": _device(zero.offload_optimizer),
@@ -43,6 +44,10 @@ def of_engine(engine):
         "precision": precision,
         "deepspeed": deepspeed.__version__,
     }
+    kept = sub_groups_in_ram.kept_sub_groups(engine.optimizer)
+    if kept:  # NVMe: these sub groups are in the ZeRO checkpoint file, the others in swap files
+        layout["nvme_sub_groups_in_ram"] = kept
+    return layout
 
 
 def of_checkpoint(directory, tag, recorded):
@@ -74,15 +79,19 @@ def describe(layout):
     where = {"none": "", "cpu": ", optimizer on the CPU", "nvme": ", optimizer on NVMe"}[layout["offload_optimizer"]]
     if layout.get("offload_param", "none") != "none":
         where += f", weights on {'the CPU' if layout['offload_param'] == 'cpu' else 'NVMe'}"
+    if layout.get("nvme_sub_groups_in_ram"):
+        where += f" ({len(layout['nvme_sub_groups_in_ram'])} sub group(s) of it in RAM)"
     return f"ZeRO-{layout['zero_stage']}, {processes}{where}, {layout['precision']}"
 
 
 def _needs_conversion(saved, current):
     """Whether DeepSpeed's own load cannot take the checkpoint: the optimizer states are partitioned otherwise
-    (stage, processes) or kept elsewhere (NVMe swap files on one side only). CPU offload or none, and where the
-    weights are offloaded, store the same files."""
+    (stage, processes) or kept elsewhere (NVMe swap files on one side only, or of other sub groups). CPU offload
+    or none, and where the weights are offloaded, store the same files."""
+    nvme = saved["offload_optimizer"] == "nvme", current["offload_optimizer"] == "nvme"
+    in_ram = saved.get("nvme_sub_groups_in_ram", []), current.get("nvme_sub_groups_in_ram", [])
     return (saved["zero_stage"] != current["zero_stage"] or saved["world_size"] != current["world_size"]
-            or (saved["offload_optimizer"] == "nvme") != (current["offload_optimizer"] == "nvme"))
+            or nvme[0] != nvme[1] or (all(nvme) and in_ram[0] != in_ram[1]))
 
 
 def check(directory, saved, current):
@@ -90,8 +99,9 @@ def check(directory, saved, current):
     return True where it must be converted first."""
     if saved is None or not _needs_conversion(saved, current) and saved["precision"] == current["precision"]:
         return False
-    differs = [f"{key.replace('_', ' ')} {saved[key]} -> {current[key]}" for key in
-               ("zero_stage", "world_size", "offload_optimizer", "precision") if saved[key] != current[key]]
+    differs = [f"{key.replace('_', ' ')} {saved.get(key, [])} -> {current.get(key, [])}" for key in
+               ("zero_stage", "world_size", "offload_optimizer", "nvme_sub_groups_in_ram", "precision")
+               if saved.get(key, []) != current.get(key, [])]
     head = (f"accel_ds_fix: cannot resume from {directory} in this layout: it was saved under "
             f"{describe(saved)}, this run is {describe(current)} ({'; '.join(differs)}).")
     if saved["precision"] != current["precision"]:

@@ -241,7 +241,7 @@ def load_state(wrapped, instance, args, kwargs):
                 result = wrapped(directory, *args[1:], **rest)
     if not converted:  # a universal copy holds every sub group's states: nothing skipped to restore
         for engine, tag in zip(engines, tags):
-            nvme_resume.restore_unswapped(engine, directory, tag)
+            nvme_resume.restore(engine, directory, tag)
     return result
 
 

@@ -128,7 +128,8 @@ def _plan(args):
         rows, recommended = advice.plan(work, machine, args.mixed_precision, args.num_processes, nvme_path)
         timing = _nvme_timing(args, work, rows) if args.nvme_path else None
     chosen = args.tier or recommended
-    written = _write(chosen, args.write, nvme_path) if args.write and chosen else None
+    ram_gib = next((r["nvme_optimizer_ram_gib"] for r in rows if r["tier"] == chosen), None)
+    written = _write(chosen, args.write, nvme_path, ram_gib) if args.write and chosen else None
     if args.json:
         print(json.dumps({"params": params, "trainable": trainable, "source": source,
                           "gpu_gib": round(machine.gpu / GIB, 2), "host_gib": round(machine.host / GIB, 2),
@@ -150,9 +151,9 @@ def _plan(args):
     return 0
 
 
-def _write(tier_name, folder, nvme_path):
+def _write(tier_name, folder, nvme_path, nvme_ram_gib=None):
     try:
-        return tiers.write(tiers.BY_NAME[tier_name], folder, nvme_path=nvme_path)
+        return tiers.write(tiers.BY_NAME[tier_name], folder, nvme_path=nvme_path, nvme_ram_gib=nvme_ram_gib)
     except OSError as exc:
         raise ValueError(f"cannot write the config into {folder}: {exc.strerror}; give a folder you can write "
                          "(it is made where missing)") from exc
@@ -163,14 +164,16 @@ def _nvme_timing(args, work, rows):
     row = next(r for r in rows if r["tier"] == "zero3-nvme")
     if not row["can_run_here"]:
         return {"measured": False, "why_not": row["cannot_run_here"]}
-    config = tiers.BY_NAME["zero3-nvme"].deepspeed_config(args.nvme_path)
+    config = tiers.BY_NAME["zero3-nvme"].deepspeed_config(args.nvme_path, row["nvme_optimizer_ram_gib"])
     speed = disk_speed.measure(args.nvme_path, config.get("aio", {}))
-    pipelined = memory_model.Settings.from_config(config).pipelined
+    settings = memory_model.Settings.from_config(config, args.mixed_precision, args.num_processes)
+    kept, _ = memory_model.kept_in_ram(work, settings)
     return {"measured": True, "folder": args.nvme_path, "read_gb_per_s": round(speed.read / 1e9, 3),
             "write_gb_per_s": round(speed.write / 1e9, 3), "both_gb_per_s": round(speed.both / 1e9, 3),
-            "disk": speed.describe(), "pipelined": pipelined, "compute_seconds": args.compute_seconds,
-            "steps": args.steps,
-            "per_accumulation": advice.nvme_step_times(work, speed, args.compute_seconds, args.steps, pipelined)}
+            "disk": speed.describe(), "pipelined": settings.pipelined, "compute_seconds": args.compute_seconds,
+            "steps": args.steps, "kept_in_ram_gib": round(settings.nvme_ram / GIB, 2),
+            "trained_in_ram": kept * settings.world_size,
+            "per_accumulation": advice.nvme_step_times(work, speed, args.compute_seconds, args.steps, settings)}
 
 
 def _print_timing(timing, args):
@@ -181,6 +184,9 @@ def _print_timing(timing, args):
     way = "reading and writing at once, as the tier's pipelined swaps do" if timing["pipelined"] else "reading, then writing"
     print(f"zero3-nvme, predicted: the disk's time ({way}) plus {timing['compute_seconds']:.1f} s a batch outside it "
           "(--compute-seconds)")
+    if timing["trained_in_ram"]:
+        print(f"  ({timing['trained_in_ram'] / 1e6:.0f}M of the trained parameters step in RAM, off the disk: the "
+              f"config's accel_ds_fix.nvme_optimizer_ram_gib, {timing['kept_in_ram_gib']} GiB)")
     steps = timing["steps"]
     print(f"  {'accumulation':<14}{'s/step':>8}{'disk s':>8}" + (f"{'hours for ' + str(steps) + ' steps':>22}"
                                                                    f"{'written to the SSD':>21}" if steps else ""))
@@ -215,6 +221,11 @@ def _print_plan(params, trainable, source, machine, args, rows, recommended):
             print(f"  {r['tier']}: cannot run here: {r['cannot_run_here']}")
         for note in r["notes"]:
             print(f"  {r['tier']}: {note}")
+        if r["nvme_optimizer_ram_gib"] is not None:
+            shipped = tiers.BY_NAME[r["tier"]].deepspeed_config()["accel_ds_fix"]["nvme_optimizer_ram_gib"]
+            lowered = f" (of the shipped {shipped:g}, to fit this host)" if r["nvme_optimizer_ram_gib"] < shipped else ""
+            print(f"  {r['tier']}: keeps {r['nvme_optimizer_ram_gib']:g} GiB of optimizer sub groups in RAM{lowered}: "
+                  f"{r['trained_in_ram'] / 1e6:.0f}M parameters step off the disk (accel_ds_fix.nvme_optimizer_ram_gib)")
     if recommended:
         tier = tiers.BY_NAME[recommended]
         print(f"\nrecommended: {recommended}: {tier.title}.")

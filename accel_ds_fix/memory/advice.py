@@ -128,6 +128,14 @@ def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_
         config = tier.deepspeed_config(nvme_path)
         settings = memory_model.Settings.from_config(config, mixed_precision, world_size)
         p = memory_model.predict(work, settings, "cuda")
+        ram_gib = settings.nvme_ram / GIB if settings.nvme_ram else None
+        if ram_gib and machine.host_usable and p.host > machine.host_usable:
+            # the NVMe tier's sub groups kept in RAM: as much of the shipped amount as this host leaves
+            without = memory_model.predict(work, dataclasses.replace(settings, nvme_ram=0), "cuda")
+            ram_gib = min(ram_gib, max(0, machine.host_usable - without.host) // (GIB // 4) / 4)
+            config = tier.deepspeed_config(nvme_path, ram_gib)
+            settings = dataclasses.replace(settings, nvme_ram=int(ram_gib * GIB))
+            p = memory_model.predict(work, settings, "cuda")
         fits_gpu = bool(machine.gpu_usable) and p.gpu_reserved <= machine.gpu_usable
         fits_host = bool(machine.host_usable) and p.host <= machine.host_usable
         checkpoint = memory_model.checkpoint_bytes(work, settings)
@@ -139,6 +147,8 @@ def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_
             "host_gib": round(p.host / GIB, 2),
             "nvme_gib": round(p.nvme / GIB, 2),
             "checkpoint_gib": round(checkpoint / GIB, 2),
+            "nvme_optimizer_ram_gib": ram_gib,
+            "trained_in_ram": memory_model.kept_in_ram(work, settings)[0] * world_size,
             "fits_gpu": fits_gpu,
             "fits_host": fits_host,
             "fits": fits_gpu and fits_host,
@@ -152,11 +162,15 @@ def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_
     return rows, recommended
 
 
-def nvme_step_times(work, speed, compute_seconds, steps=None, pipelined=True, accumulations=(1, 2, 4)):
-    """The NVMe tier's predicted time per optimizer step with gradient accumulation 1, 2, 4 on a measured disk."""
+def nvme_step_times(work, speed, compute_seconds, steps=None, settings=None, accumulations=(1, 2, 4)):
+    """The NVMe tier's predicted time per optimizer step with gradient accumulation 1, 2, 4 on a measured disk:
+    ``settings`` (the tier's; pipelined or not, and the sub groups it keeps in RAM) decide what the disk moves."""
+    settings = settings or memory_model.Settings(stage=3, offload_optimizer="nvme", pipelined=True)
+    kept, _ = memory_model.kept_in_ram(work, settings)
+    swapped = work.trainable - kept * settings.world_size
     rows = []
     for k in accumulations:
-        t = disk_speed.predict(work.trainable, speed, k, compute_seconds, pipelined=pipelined)
+        t = disk_speed.predict(swapped, speed, k, compute_seconds, pipelined=settings.pipelined)
         rows.append({"gradient_accumulation": k, "seconds_per_step": round(t.seconds, 1),
                      "disk_seconds": round(t.disk_seconds, 1), "compute_seconds": round(t.compute_seconds, 1),
                      "hours": round(steps * t.seconds / 3600, 1) if steps else None,

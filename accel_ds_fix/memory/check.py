@@ -6,6 +6,7 @@ ACCEL_DS_FIX_MEMORY_CHECK=warn turns the error into a warning (for users who kno
 The GPU side leaves activations out (only the script knows them): it stops only what cannot fit even so.
 """
 
+import dataclasses
 import logging
 import os
 
@@ -16,6 +17,7 @@ from ..errors import MemoryPlanError, PrerequisiteError
 from ..gather import full_numel
 from ..merge.merged_module import hidden_size_of
 from ..nvme import prerequisites as nvme_prerequisites
+from ..nvme import sub_groups_in_ram
 from . import model as memory_model
 
 ENV = "ACCEL_DS_FIX_MEMORY_CHECK"
@@ -128,7 +130,9 @@ def runnable_tiers_sentence(work, accelerator, capacity, hidden):
 
 
 def check_prerequisites(models, optimizer, config, accelerator):
-    """A config that offloads to NVMe: stop before anything is allocated when this machine cannot run it."""
+    """A config that offloads to NVMe: stop before anything is allocated when this machine cannot run it (or
+    its accel_ds_fix section is not understood)."""
+    sub_groups_in_ram.budget_bytes(config)  # ConfigError for a value that is not a budget
     work = workload_of(models, optimizer)
     problems = nvme_prerequisites.problems(config, load=True, work=work)
     if not problems:
@@ -172,6 +176,15 @@ def check_before_allocating(plan, config, accelerator):
     if not problems:
         return
     tiers = runnable_tiers_sentence(work, accelerator, capacity, hidden)
+    _, kept_bytes = memory_model.kept_in_ram(work, settings, accelerator.device.type)
+    if kept_bytes and capacity.host is not None and capacity.host_needed(prediction) > capacity.host:
+        without = memory_model.predict(work, dataclasses.replace(settings, nvme_ram=0), accelerator.device.type,
+                                       host_baseline=0)
+        room = capacity.host - capacity.host_needed(without)
+        what = (f"of the host memory, {_gib(kept_bytes)} are the optimizer sub groups the config keeps off the disk "
+                f"({sub_groups_in_ram.SECTION}.{sub_groups_in_ram.KEY}: {settings.nvme_ram / GIB:g})")
+        problems.append(f"{what}: set it to {room // (GIB // 4) / 4:g} (slower steps, the same training)" if room >= 0
+                        else f"{what}, and even with none kept the rest needs about {_gib(-room)} more")
     message = (
         f"accel_ds_fix: this training will not fit: {'; '.join(problems)}. The DeepSpeed config (ZeRO stage "
         f"{settings.stage}, optimizer offload {settings.offload_optimizer}, parameter offload "

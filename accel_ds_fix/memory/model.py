@@ -11,6 +11,7 @@ import dataclasses
 import math
 
 from .. import versions
+from ..nvme import sub_groups_in_ram
 
 GIB = 1024**3
 
@@ -66,6 +67,7 @@ class Settings:
     sub_group: int = int(1e9)
     swap_buffers: int = 4
     pipelined: bool = False  # NVMe offload with pipeline_read or pipeline_write
+    nvme_ram: int = 0  # bytes of host memory for sub groups kept off the disk (nvme/sub_groups_in_ram.py)
     grad_accum_bytes: int = 4
     world_size: int = 1
 
@@ -103,6 +105,7 @@ class Settings:
             sub_group=number(zero.get("sub_group_size"), int(1e9)),
             swap_buffers=int(opt.get("buffer_count", 4)),
             pipelined=bool(opt.get("pipeline_read") or opt.get("pipeline_write")),
+            nvme_ram=sub_groups_in_ram.budget_bytes(config) if opt.get("device") == "nvme" else 0,
             grad_accum_bytes=2 if accum in ("fp16", "bf16") else (2 if (low_master and half == 2) else 4),
             world_size=world_size,
         )
@@ -126,23 +129,49 @@ def checkpoint_bytes(work, s):
     return (s.master_bytes + s.optimizer_state_bytes) * work.trainable + s.half_bytes * work.params
 
 
-def largest_sub_group(work, s):
-    """Elements per rank of ZeRO-3's largest optimizer sub group, the size of each NVMe swap buffer. DeepSpeed
-    (stage3.py _create_fp16_sub_groups) takes a parameter group's parameters in order and closes a sub group at
-    the first parameter that brings it to sub_group_size, so one may hold up to a parameter more than that."""
-    W = s.world_size
+def sub_group_sizes(work, s):
+    """Elements per rank of ZeRO-3's optimizer sub groups, in the step's order; None where the parameters'
+    sizes are unknown (`plan`). DeepSpeed (stage3.py _create_fp16_sub_groups) takes a parameter group's
+    parameters in order and closes a sub group at the first parameter that brings it to sub_group_size, so one
+    may hold up to a parameter more than that."""
     if not work.param_sizes:
+        return None
+    sizes = []
+    for group in work.param_sizes:
+        current = 0
+        for n in group:
+            current += -(-n // s.world_size)
+            if current >= s.sub_group:
+                sizes.append(current)
+                current = 0
+        if current:
+            sizes.append(current)
+    return sizes
+
+
+def largest_sub_group(work, s):
+    """Elements per rank of ZeRO-3's largest optimizer sub group, the size of each NVMe swap buffer (bounded
+    where the parameters' sizes are unknown)."""
+    sizes = sub_group_sizes(work, s)
+    if sizes is None:
+        W = s.world_size
         bound = s.sub_group + -(-work.largest_trainable // W) - 1 if work.largest_trainable else s.sub_group
         return max((min(bound, g // W) for g in (work.groups or (work.trainable,))), default=0)
-    largest = 0
-    for sizes in work.param_sizes:
-        current = 0
-        for n in sizes:
-            current += -(-n // W)
-            if current >= s.sub_group:
-                largest, current = max(largest, current), 0
-        largest = max(largest, current)
-    return largest
+    return max(sizes, default=0)
+
+
+def kept_in_ram(work, s, device="cuda"):
+    """Elements per rank and host bytes of the sub groups the NVMe tier keeps in RAM within ``s.nvme_ram``
+    (nvme/sub_groups_in_ram.py); where the sizes are unknown, as if every sub group were sub_group_size."""
+    if s.offload_optimizer != "nvme" or not s.nvme_ram:
+        return 0, 0
+    sizes = sub_group_sizes(work, s)
+    if sizes is None:
+        per_rank = work.trainable // s.world_size
+        sizes = [s.sub_group] * (per_rank // s.sub_group) + ([per_rank % s.sub_group] if per_rank % s.sub_group else [])
+    pinned = s.pin_memory and device == "cuda"
+    kept = sub_groups_in_ram.choose(sizes, [True] * len(sizes), s.nvme_ram, pinned)
+    return (sum(sizes[i] for i in kept), sum(sub_groups_in_ram.host_bytes(sizes[i], pinned) for i in kept))
 
 
 def _pinned(nbytes, device):
@@ -218,7 +247,11 @@ def predict(work, s, device="cuda", host_baseline=None):
                     # sub group stay in host memory from the first step
                     host("Adam states DeepSpeed's pipelined swapper keeps after the first step", 8 * T // W)
                 host("in training, beyond these buffers (measured, not traced)", NVME_UNTRACED_BYTES * T // W)
-                nvme = (m + s.optimizer_state_bytes) * T // W
+                kept, kept_bytes = kept_in_ram(work, s, device)
+                if kept:
+                    host("sub groups kept in RAM (nvme_optimizer_ram_gib): fp32 weights, Adam states, gradients",
+                         kept_bytes)
+                nvme = (m + s.optimizer_state_bytes) * (T // W - kept)
     if work.activations:
         gpu_train.append(("activations", work.activations))
 

@@ -41,11 +41,14 @@ class Tier:
     extra: dict = dataclasses.field(default_factory=dict)
     caveat: str = ""  # what a user must know before choosing it, said by `plan`
 
-    def deepspeed_config(self, nvme_path=DEFAULT_NVME_PATH):
-        """A fresh copy each call: callers may change it."""
+    def deepspeed_config(self, nvme_path=DEFAULT_NVME_PATH, nvme_ram_gib=None):
+        """A fresh copy each call: callers may change it. ``nvme_ram_gib``: the NVMe tier's host memory for sub
+        groups kept off the disk, where not the shipped amount (`plan` lowers it to fit a machine)."""
         config = json.loads(json.dumps({**_COMMON, "zero_optimization": self.zero, **self.extra}))
         if config["zero_optimization"].get("offload_optimizer", {}).get("device") == "nvme":
             config["zero_optimization"]["offload_optimizer"]["nvme_path"] = nvme_path
+        if nvme_ram_gib is not None and "accel_ds_fix" in config:
+            config["accel_ds_fix"]["nvme_optimizer_ram_gib"] = nvme_ram_gib
         return config
 
     @property
@@ -98,12 +101,16 @@ TIERS = [
             "sub_group_size": 25000000,
         },
         # The keys DeepSpeed >= 0.16.4 reads (it ignores the older thread_count): one I/O thread per handle.
+        # 1.5 GiB of host memory keeps the step's last sub groups off the disk (nvme/sub_groups_in_ram.py):
+        # SD1.5's last three, ~90M parameters, 2.2 GB less through the disk each step.
         {"aio": {"block_size": 1048576, "queue_depth": 16, "intra_op_parallelism": 1, "single_submit": False,
-                 "overlap_events": True}},
+                 "overlap_events": True},
+         "accel_ds_fix": {"nvme_optimizer_ram_gib": 1.5}},
         "slow: each optimizer step reads and writes the fp32 master weights and Adam states on the disk (12 bytes "
-        "a trained parameter each way, 11 GiB for SD1.5; the fix keeps the gradients in RAM), reading the next sub "
-        "group and writing the last while one steps: 15 - 22 s a step for SD1.5 measured one sub group at a time "
-        "on a disk that reads 1.4 GB/s and writes 1.6 GB/s; "
+        "a trained parameter each way, 11 GiB for SD1.5; the fix keeps the gradients in RAM, and the last sub "
+        "groups within accel_ds_fix.nvme_optimizer_ram_gib), reading the next sub group and writing the last "
+        "while one steps: 17 - 19 s a step measured for SD1.5 with every sub group on disks that read and write "
+        "1.5 - 1.7 GB/s; "
         "`plan --nvme-path DIR --steps N` measures your disk and predicts the run's hours",
     ),
 ]
@@ -127,7 +134,7 @@ def accelerate_yaml(deepspeed_config_file):
     )
 
 
-def write(tier, directory, nvme_path=DEFAULT_NVME_PATH, relative=False):
+def write(tier, directory, nvme_path=DEFAULT_NVME_PATH, relative=False, nvme_ram_gib=None):
     """Write ``tier``'s DeepSpeed JSON and accelerate YAML into ``directory``; return both paths.
 
     The YAML names the JSON by its absolute path, so it works from any working directory (``relative``: by
@@ -136,7 +143,7 @@ def write(tier, directory, nvme_path=DEFAULT_NVME_PATH, relative=False):
     json_path = os.path.abspath(os.path.join(directory, tier.json_name))
     yaml_path = os.path.abspath(os.path.join(directory, tier.yaml_name))
     with open(json_path, "w", encoding="utf-8") as f:
-        json.dump(tier.deepspeed_config(nvme_path), f, indent=2)
+        json.dump(tier.deepspeed_config(nvme_path, nvme_ram_gib), f, indent=2)
         f.write("\n")
     with open(yaml_path, "w", encoding="utf-8") as f:
         f.write(accelerate_yaml(tier.json_name if relative else json_path))
