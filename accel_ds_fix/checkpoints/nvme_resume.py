@@ -15,11 +15,11 @@ This restores both from the checkpoint: kept sub groups from DeepSpeed's ZeRO fi
 in, giving it the saved Adam states and step, and swapping it out (which registers the states with the swapper).
 """
 
-import glob
 import os
-import re
 
 import torch
+
+from . import universal_copy
 
 
 def _checkpoint_file(engine, directory, tag):
@@ -27,24 +27,12 @@ def _checkpoint_file(engine, directory, tag):
 
 
 def _swap_files(engine, directory, tag):
-    """{sub group ds_id: {state name: path}} of this rank's swap files in the checkpoint (where DeepSpeed copied
-    the swap folder from)."""
+    """{sub group ds_id: {"fp32" | state name: path}} of this rank's swap files in the checkpoint (where DeepSpeed
+    copied the swap folder from)."""
     from deepspeed.checkpoint.ds_to_universal import dp_index_to_str
 
     rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
-    folder = os.path.join(directory, tag, "offloaded_tensors", "rank" + dp_index_to_str(rank))
-    found = {}
-    for path in glob.glob(os.path.join(folder, "*-*.tensor.swp")):  # "exp_avg-0_6": a state; "0_6" the weights
-        state, _, ds_id = os.path.basename(path)[: -len(".tensor.swp")].rpartition("-")
-        if "gradient" not in state and re.fullmatch(r"\d+_\d+", ds_id):
-            found.setdefault(ds_id, {})[state] = path
-    return found
-
-
-def _read(path, numel):
-    with open(path, "rb") as f:
-        data = bytearray(f.read())
-    return torch.frombuffer(data, dtype=torch.float32)[:numel].clone()
+    return universal_copy.swap_files(os.path.join(directory, tag, "offloaded_tensors", "rank" + dp_index_to_str(rank)))
 
 
 def _set_state(state, saved_state):
@@ -78,13 +66,13 @@ def restore(engine, directory, tag):
         saved_state = base["state"].get(index, {})
         if optimizer._swappable_optimizer_subgroup(sub_group):
             states = files.get(flat.ds_id, {})
-            if not states:  # saved before its first step: no Adam states yet, nothing was lost
+            if "exp_avg" not in states:  # saved before its first step: no Adam states yet, nothing was lost
                 continue
             numel = int(optimizer.fp16_partitioned_groups_flat_numel[sub_group])
             optimizer._prepare_sub_group(sub_group, timers)  # master weights: the files DeepSpeed copied back
             state = optimizer.optimizer.state[flat]
-            for key, path in states.items():
-                state[key] = _read(path, numel)
+            for key in ("exp_avg", "exp_avg_sq"):  # Adam's two states, from the checkpoint's files
+                state[key] = universal_copy.read_swap_file(states[key], numel)
             counts = {"step": step} if step is not None else {}
             _set_state(state, {**counts, **{k: v for k, v in saved_state.items() if not torch.is_tensor(v)}})
             optimizer._release_sub_group(sub_group, timers)  # written out with its states, now the swapper's

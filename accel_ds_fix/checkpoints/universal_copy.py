@@ -57,7 +57,7 @@ def reusable(folder, digest, tag):
     return record.get("source") == digest and record.get("tag") == tag
 
 
-def _swap_files(rank_dir):
+def swap_files(rank_dir):
     """{sub group ds_id "first_last": {"fp32" | state name: path}} of one rank's NVMe swap files."""
     found = {}
     for path in glob.glob(os.path.join(rank_dir, "*.tensor.swp")):
@@ -67,6 +67,13 @@ def _swap_files(rank_dir):
             continue
         found.setdefault(ds_id, {})[state or "fp32"] = path
     return found
+
+
+def read_swap_file(path, numel):
+    """The first ``numel`` fp32 values of an NVMe swap file (DeepSpeed pads it to its I/O alignment)."""
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    return torch.frombuffer(data, dtype=torch.float32)[:numel].clone()
 
 
 def _partition_numel(shapes, world):
@@ -92,7 +99,7 @@ def _fill_swapped(source_tag, staged_tag):
         optim = saved["optimizer_state_dict"]
         flat, states = optim["fp32_flat_groups"], optim["optimizer_state_dict"]["state"]
         swapped = [i for i, t in enumerate(flat) if t.numel() == 0 and _partition_numel(shapes[i], world) > 0]
-        files = _swap_files(os.path.join(source_tag, "offloaded_tensors", f"rank{rank:02d}"))
+        files = swap_files(os.path.join(source_tag, "offloaded_tensors", f"rank{rank:02d}"))
         ids = sorted(files, key=lambda ds_id: int(ds_id.split("_")[0]))
         if len(ids) != len(swapped):
             raise CheckpointError(
@@ -103,16 +110,10 @@ def _fill_swapped(source_tag, staged_tag):
         step = next((s["step"] for s in states.values() if "step" in s), None)
         for index, ds_id in zip(swapped, ids):
             numel = _partition_numel(shapes[index], world)
-
-            def read(key, numel=numel, ds_id=ds_id):
-                with open(files[ds_id][key], "rb") as f:
-                    data = bytearray(f.read())
-                return torch.frombuffer(data, dtype=torch.float32)[:numel].clone()
-
-            flat[index] = read("fp32")
+            flat[index] = read_swap_file(files[ds_id]["fp32"], numel)
             state = states.setdefault(index, {})
             for key in ("exp_avg", "exp_avg_sq"):
-                state[key] = read(key)
+                state[key] = read_swap_file(files[ds_id][key], numel)
             if "step" not in state and step is not None:
                 state["step"] = step
         torch.save(saved, os.path.join(staged_tag, os.path.basename(path)))

@@ -8,7 +8,6 @@ else 4), m: bytes of master weights and their gradients (4, or 2 with *_master_w
 """
 
 import dataclasses
-import math
 
 from .. import versions
 from ..nvme import sub_groups_in_ram
@@ -175,10 +174,8 @@ def kept_in_ram(work, s, device="cuda"):
 
 
 def _pinned(nbytes, device):
-    # torch's caching host allocator hands out page-locked blocks rounded up to a power of two.
-    if device != "cuda" or nbytes <= 0:
-        return nbytes
-    return 1 << math.ceil(math.log2(nbytes))
+    # torch's caching host allocator hands out page-locked blocks rounded up to a power of two (on a GPU host).
+    return sub_groups_in_ram.pinned_bytes(nbytes) if device == "cuda" else nbytes
 
 
 def predict(work, s, device="cuda", host_baseline=None):
