@@ -16,9 +16,15 @@ from pathlib import Path
 
 import pytest
 
+from accel_ds_fix.checkpoints import conversion_memory
+from accel_ds_fix.errors import CheckpointError
 from accel_ds_fix.memory import tiers
 from conftest import EXAMPLE, clean_env, nvme_unavailable, run
 
+# `python -m accel_ds_fix ARGS` that prints its peak resident memory last on stderr
+WITH_PEAK = ("import resource, runpy, sys\nsys.argv[0] = 'accel_ds_fix'\ntry:\n"
+             "    runpy.run_module('accel_ds_fix', run_name='__main__')\nfinally:\n"
+             "    print('peak kB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
 BF16 = ["--import-fix", "--mixed-precision", "bf16"]
 LAYOUTS = {
     "zero2": ["--zero_stage", "2", "--offload_optimizer_device", "none"],
@@ -106,14 +112,34 @@ def test_zero2_checkpoint_resumes_under_zero3_with_its_states_and_another_precis
     # Converted ahead of the run (for runs short of RAM): the same copy, which the run then reuses.
     made_by_load = digests(copy)
     shutil.rmtree(copy)
-    proc = run([sys.executable, "-m", "accel_ds_fix", "convert-checkpoint", ckpt], env=clean_env())
+    proc = run([sys.executable, "-c", WITH_PEAK, "convert-checkpoint", ckpt], env=clean_env())
     assert f"converted {ckpt} to DeepSpeed's universal checkpoint format in " in proc.stdout
     assert f" s: {copy} (load_state reuses it under any ZeRO stage, number of processes and offload)" in proc.stdout
+    # What the memory check reckons the conversion takes covers what it took.
+    peak = int(proc.stderr.rsplit("peak kB ", 1)[1]) * 1024
+    assert peak <= conversion_memory.needed(ckpt, "pytorch_model"), (peak, conversion_memory.needed(ckpt, "pytorch_model"))
     record = "accel_ds_fix-conversion.json"
     without_record = {k: v for k, v in made_by_load.items() if k != record}
     assert {k: v for k, v in digests(copy).items() if k != record} == without_record
     again = run([sys.executable, "-m", "accel_ds_fix", "convert-checkpoint", ckpt], env=clean_env())
     assert f"{copy} is already the universal copy of {ckpt}: nothing to do" in again.stdout
+
+    # Short of host memory, in the run that resumes or on its own: stopped before converting (nothing written),
+    # naming the command that converts on its own, or what else to do.
+    shutil.rmtree(copy)
+    need = conversion_memory.needed(ckpt, "pytorch_model")
+    with pytest.raises(CheckpointError) as in_run:
+        conversion_memory.check(str(ckpt), "pytorch_model", in_run=True, available=need - 1)
+    assert str(in_run.value).startswith(f"accel_ds_fix: converting {ckpt} to DeepSpeed's universal checkpoint format "
+                                        f"needs about {need / 2**30:.1f} GiB of host memory")
+    assert (f"beside this run. Nothing was loaded; the checkpoint is unchanged. Stop the run and convert it on its own "
+            f"first: `python -m accel_ds_fix convert-checkpoint {ckpt}` writes the copy") in str(in_run.value)
+    with pytest.raises(CheckpointError, match=f"Nothing was written. Close what else holds memory, or convert on a "
+                                              f"machine with more and copy the folder {copy} beside"):
+        conversion_memory.check(str(ckpt), "pytorch_model", in_run=False, available=need - 1)
+    conversion_memory.check(str(ckpt), "pytorch_model", in_run=True, available=need)
+    assert not copy.exists()
+    run([sys.executable, "-m", "accel_ds_fix", "convert-checkpoint", ckpt], env=clean_env())
 
     # A conversion killed in the middle (kill -9 of its process group): the half-made copy is never taken, and
     # the next conversion makes the same copy whole.

@@ -22,7 +22,7 @@ import torch
 from .. import notices
 from ..errors import CheckpointError
 from ..nvme import sub_groups_in_ram
-from . import universal_copy
+from . import conversion_memory, crash_safe, manifest, universal_copy
 
 
 def _device(offload):
@@ -132,6 +132,7 @@ def _prepared(accelerator, directory, tag, saved, current):
             if universal_copy.reusable(folder, digest, tag):
                 outcome = ("reused", 0.0)
             else:
+                conversion_memory.check(directory, tag, in_run=True)
                 outcome = ("converted", universal_copy.convert(directory, tag, digest))
         except Exception as exc:  # noqa: BLE001 - handed to every process below
             outcome = ("error", exc if isinstance(exc, CheckpointError) else CheckpointError(
@@ -154,6 +155,24 @@ def _prepared(accelerator, directory, tag, saved, current):
         notices.say(f"{directory} was saved under {describe(saved)}; this run is {describe(current)}: resumed from "
                     f"its universal copy {folder}, converted before")
     return folder
+
+
+def convert_ahead(directory, tag="pytorch_model"):
+    """`python -m accel_ds_fix convert-checkpoint DIR`: the universal copy made before the run that resumes it (the
+    converter holds one process's optimizer states in host memory, which a run short of RAM has not to spare:
+    conversion_memory.py). Returns (folder, seconds, reused)."""
+    crash_safe.check_whole(directory)
+    if manifest.read(directory) is None:
+        raise CheckpointError(f"accel_ds_fix: {directory} has no {manifest.FILENAME}: it was not saved by "
+                              "accelerator.save_state() with models merged by accel_ds_fix; nothing to convert.")
+    if not os.path.isdir(os.path.join(directory, tag)):
+        raise CheckpointError(f"accel_ds_fix: {directory} has no DeepSpeed checkpoint {tag}/ (give --tag: the "
+                              "engine's folder inside it); nothing was written.")
+    source = universal_copy.digest(directory)
+    if universal_copy.reusable(universal_copy.converted_path(directory), source, tag):
+        return universal_copy.converted_path(directory), 0.0, True
+    conversion_memory.check(directory, tag, in_run=False)
+    return universal_copy.converted_path(directory), universal_copy.convert(directory, tag, source), False
 
 
 # ---- the load ---------------------------------------------------------------------------------------------------

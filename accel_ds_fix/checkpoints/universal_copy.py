@@ -26,7 +26,7 @@ import time
 import torch
 
 from ..errors import CheckpointError
-from . import crash_safe, manifest
+from . import manifest
 
 UNIVERSAL = ".accel_ds_fix-universal."
 CONVERTING = ".accel_ds_fix-converting."
@@ -222,20 +222,3 @@ def convert(directory, tag, digest):
 
 def size(folder):
     return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
-
-
-def convert_ahead(directory, tag="pytorch_model"):
-    """`python -m accel_ds_fix convert-checkpoint DIR`: the universal copy made before the run that resumes it (the
-    converter holds one rank's optimizer states file in host memory, which a run short of RAM has not to spare).
-    Returns (folder, seconds, reused)."""
-    crash_safe.check_whole(directory)
-    if manifest.read(directory) is None:
-        raise CheckpointError(f"accel_ds_fix: {directory} has no {manifest.FILENAME}: it was not saved by "
-                              "accelerator.save_state() with models merged by accel_ds_fix; nothing to convert.")
-    if not os.path.isdir(os.path.join(directory, tag)):
-        raise CheckpointError(f"accel_ds_fix: {directory} has no DeepSpeed checkpoint {tag}/ (give --tag: the "
-                              "engine's folder inside it); nothing was written.")
-    source = digest(directory)
-    if reusable(converted_path(directory), source, tag):
-        return converted_path(directory), 0.0, True
-    return converted_path(directory), convert(directory, tag, source), False

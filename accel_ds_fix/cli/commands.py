@@ -251,12 +251,12 @@ def _get_libaio(folder):
 
 
 def _convert_checkpoint(folder, tag):
-    from ..checkpoints import universal_copy
+    from ..checkpoints import layout_change
     from ..errors import CheckpointError
 
     try:
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout
-            converted, seconds, reused = universal_copy.convert_ahead(folder, tag)
+            converted, seconds, reused = layout_change.convert_ahead(folder, tag)
     except CheckpointError as exc:
         print(str(exc), file=sys.stderr)
         return 1

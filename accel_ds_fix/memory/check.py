@@ -44,6 +44,11 @@ def _rss():
     return _proc_bytes("/proc/self/status", "VmRSS")
 
 
+def available_host_bytes():
+    """What the kernel says can still be allocated without swapping (MemAvailable); None without /proc."""
+    return _meminfo("MemAvailable")
+
+
 def workload_of(models, optimizer=None):
     params = {id(p): p for m in models for p in m.parameters()}.values()
     trainable = [p for p in params if p.requires_grad]
@@ -77,7 +82,7 @@ class Capacity:
 
     def __init__(self, accelerator, models):
         self.device = accelerator.device.type
-        self.rss, available = _rss(), _meminfo("MemAvailable")
+        self.rss, available = _rss(), available_host_bytes()
         self.host = self.rss + available if self.rss is not None and available is not None else None
         self.on_host = sum(full_numel(p) * p.element_size() for m in models for p in m.parameters() if p.device.type == "cpu")
         self.gpu = None
@@ -148,18 +153,19 @@ def check_prerequisites(models, optimizer, config, accelerator):
 MODES = {"error": ("error", "1", "true", "yes", "on"), "warn": ("warn",), "off": ("off", "0", "false", "no")}
 
 
-def _mode():
+def check_mode():
+    """error (the default), warn or off: what ACCEL_DS_FIX_MEMORY_CHECK asks of every memory check."""
     value = os.environ.get(ENV, "error")
-    mode = next((m for m, spellings in MODES.items() if value.strip().lower() in spellings), None)
-    if mode is None:  # a typo must not silently change what happens: say so, and check as by default
+    chosen = next((m for m, spellings in MODES.items() if value.strip().lower() in spellings), None)
+    if chosen is None:  # a typo must not silently change what happens: say so, and check as by default
         notices.say(f"{ENV}={value!r} is not understood: use error (the default), warn or off; checking as error.",
                     level=logging.WARNING, once_key=ENV)
         return "error"
-    return mode
+    return chosen
 
 
 def check_before_allocating(plan, config, accelerator):
-    mode = _mode()
+    mode = check_mode()
     if mode == "off" or accelerator.device.type not in ("cuda", "cpu"):
         return
     optimizer = plan.optimizers[0] if plan.optimizers else None

@@ -102,15 +102,15 @@ TIERS = [
         },
         # The keys DeepSpeed >= 0.16.4 reads (it ignores the older thread_count): one I/O thread per handle.
         # 1.5 GiB of host memory keeps the step's last sub groups off the disk (nvme/sub_groups_in_ram.py):
-        # SD1.5's last three, ~90M parameters, 2.2 GB less through the disk each step.
+        # SD1.5's last 4 of 30 sub groups, 85.1M parameters, 2 GB less through the disk each step (docs/gpu.md run 11).
         {"aio": {"block_size": 1048576, "queue_depth": 16, "intra_op_parallelism": 1, "single_submit": False,
                  "overlap_events": True},
          "accel_ds_fix": {"nvme_optimizer_ram_gib": 1.5}},
         "slow: each optimizer step reads and writes the fp32 master weights and Adam states on the disk (12 bytes "
         "a trained parameter each way, 11 GiB for SD1.5; the fix keeps the gradients in RAM, and the last sub "
         "groups within accel_ds_fix.nvme_optimizer_ram_gib), reading the next sub group and writing the last "
-        "while one steps: 17 - 19 s a step measured for SD1.5 with every sub group on disks that read and write "
-        "1.5 - 1.7 GB/s; "
+        "while one steps: 13 - 16 s a step measured for SD1.5 with 1.5 GiB of sub groups in RAM on a disk that "
+        "reads and writes 1.9 GB/s (DeepSpeed alone: 19 - 21 s there), 17 s with every sub group on a 1.7 GB/s disk; "
         "`plan --nvme-path DIR --steps N` measures your disk and predicts the run's hours",
     ),
 ]
