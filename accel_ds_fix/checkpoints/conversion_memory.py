@@ -8,10 +8,8 @@ for has. Where the host has not the room, the conversion stops before it starts,
 on its own, instead of the kernel's OOM killer half-way. ACCEL_DS_FIX_MEMORY_CHECK (warn / off) applies here too.
 """
 
-import glob
 import logging
 import os
-import re
 
 from .. import notices
 from ..errors import CheckpointError
@@ -25,20 +23,24 @@ STATES_FACTOR, INTERPRETER = 1.2, GIB // 2
 
 
 def states_bytes(directory, tag):
-    """The largest of the checkpoint's per-process optimizer states, as the converter holds them in memory."""
+    """The largest of the checkpoint's per-process optimizer states, as the converter holds them in memory: the
+    optimizer file, and for an NVMe checkpoint that process's swap files (put back into it first)."""
     tag_dir = os.path.join(directory, tag)
     largest = 0
-    for path in glob.glob(os.path.join(tag_dir, "*zero_pp_rank_*_optim_states.pt")):
-        rank = int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(path)).group(1))
-        swapped = universal_copy.swap_files(os.path.join(tag_dir, "offloaded_tensors", f"rank{rank:02d}"))
+    for rank, path in universal_copy.optimizer_files(tag_dir).items():
+        swapped = universal_copy.rank_swap_files(tag_dir, rank)
         size = os.path.getsize(path) + sum(os.path.getsize(p) for files in swapped.values() for p in files.values())
         largest = max(largest, size)
     return largest
 
 
+def _needed_for(states):
+    return int(states * STATES_FACTOR) + INTERPRETER
+
+
 def needed(directory, tag):
     """Host memory the conversion takes at its peak, in bytes."""
-    return int(states_bytes(directory, tag) * STATES_FACTOR) + INTERPRETER
+    return _needed_for(states_bytes(directory, tag))
 
 
 def _gib(nbytes):
@@ -50,15 +52,18 @@ def check(directory, tag, in_run, available=None):
     fit the host memory ``available`` (default: what the kernel says is available now). ``in_run``: inside the
     training process that resumes (whose memory is already taken), else `convert-checkpoint` on its own."""
     mode = memory_check.check_mode()
-    available = memory_check.available_host_bytes() if available is None else available
-    if mode == "off" or available is None:
+    if mode == "off":
         return
-    need = needed(directory, tag)
+    available = memory_check.available_host_bytes() if available is None else available
+    if available is None:  # no /proc: nothing to compare with
+        return
+    states = states_bytes(directory, tag)
+    need = _needed_for(states)
     if need <= available:
         return
     head = (f"accel_ds_fix: converting {directory} to DeepSpeed's universal checkpoint format needs about "
             f"{_gib(need)} of host memory (DeepSpeed's converter holds one process's optimizer states at once, "
-            f"{_gib(states_bytes(directory, tag))} here), and {_gib(available)} are available")
+            f"{_gib(states)} here), and {_gib(available)} are available")
     tag_option = "" if tag == "pytorch_model" else f" --tag {tag}"
     if in_run:
         message = (

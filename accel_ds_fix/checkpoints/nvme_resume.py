@@ -29,10 +29,8 @@ def _checkpoint_file(engine, directory, tag):
 def _swap_files(engine, directory, tag):
     """{sub group ds_id: {"fp32" | state name: path}} of this rank's swap files in the checkpoint (where DeepSpeed
     copied the swap folder from)."""
-    from deepspeed.checkpoint.ds_to_universal import dp_index_to_str
-
     rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
-    return universal_copy.swap_files(os.path.join(directory, tag, "offloaded_tensors", "rank" + dp_index_to_str(rank)))
+    return universal_copy.rank_swap_files(os.path.join(directory, tag), rank)
 
 
 def _set_state(state, saved_state):

@@ -69,6 +69,17 @@ def swap_files(rank_dir):
     return found
 
 
+def rank_swap_files(tag_dir, rank):
+    """swap_files of one process's folder in an NVMe checkpoint's ``offloaded_tensors``."""
+    return swap_files(os.path.join(tag_dir, "offloaded_tensors", f"rank{rank:02d}"))
+
+
+def optimizer_files(tag_dir):
+    """{rank: path} of a DeepSpeed checkpoint's per-process optimizer states files."""
+    return {int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(path)).group(1)): path
+            for path in glob.glob(os.path.join(tag_dir, "*zero_pp_rank_*_optim_states.pt"))}
+
+
 def read_swap_file(path, numel):
     """The first ``numel`` fp32 values of an NVMe swap file (DeepSpeed pads it to its I/O alignment)."""
     with open(path, "rb") as f:
@@ -91,15 +102,14 @@ def _fill_swapped(source_tag, staged_tag):
             os.link(path, os.path.join(staged_tag, name))
     model_file = sorted(glob.glob(os.path.join(source_tag, "zero_pp_rank_0_mp_rank_*_model_states.pt")))[0]
     shapes = torch.load(model_file, map_location="cpu", weights_only=False)["param_shapes"]
-    optim_files = sorted(glob.glob(os.path.join(source_tag, "*zero_pp_rank_*_optim_states.pt")))
+    optim_files = optimizer_files(source_tag)
     world = len(optim_files)
-    for path in optim_files:
-        rank = int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(path)).group(1))
+    for rank, path in sorted(optim_files.items()):
         saved = torch.load(path, map_location="cpu", weights_only=False)
         optim = saved["optimizer_state_dict"]
         flat, states = optim["fp32_flat_groups"], optim["optimizer_state_dict"]["state"]
         swapped = [i for i, t in enumerate(flat) if t.numel() == 0 and _partition_numel(shapes[i], world) > 0]
-        files = swap_files(os.path.join(source_tag, "offloaded_tensors", f"rank{rank:02d}"))
+        files = rank_swap_files(source_tag, rank)
         ids = sorted(files, key=lambda ds_id: int(ds_id.split("_")[0]))
         if len(ids) != len(swapped):
             raise CheckpointError(
