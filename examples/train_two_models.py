@@ -83,6 +83,8 @@ def parse_args():
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--width", type=int, default=WIDTH, help="the models' hidden width (512: sub groups large "
                                                             "enough that NVMe offload swaps them)")
+    p.add_argument("--gradient-clipping", default="1.0",
+                   help="the DeepSpeed config's gradient_clipping: a norm, 0 for none, or auto (accelerate fills it in)")
     p.add_argument("--freeze-text-encoder", action="store_true", help="train the unet only (text encoder frozen)")
     p.add_argument("--reference", action="store_true", help="train through a hand-written merged module")
     p.add_argument("--save-state", help="accelerator.save_state() here after the last step")
@@ -139,7 +141,7 @@ def make_accelerator(args):
         offload_optimizer_nvme_path=args.nvme_path,
         offload_param_device="cpu" if args.offload_params else "none",
         gradient_accumulation_steps=args.gas,
-        gradient_clipping=1.0,
+        gradient_clipping=None if args.gradient_clipping == "auto" else float(args.gradient_clipping),
         zero3_save_16bit_model=True,  # lets --reference export its merged module under ZeRO-3
     )
     return Accelerator(deepspeed_plugin=plugin, mixed_precision=args.mixed_precision)

@@ -9,7 +9,10 @@ torch.save to a path, which DeepSpeed and accelerate use), 1, 2, ... in the orde
   rename:N     killed with SIGKILL after the N-th rename of the folders (rename:1: the old folder moved away,
                the new one not yet in place)
   interrupt:N  KeyboardInterrupt (Ctrl-C) raised as file N is opened
+  sigint-rename:N  a real SIGINT (Ctrl-C) sent to the process after the N-th rename of the folders
   enospc:N     OSError(ENOSPC) raised as file N is opened (a full disk)
+  fill:N       as file N is opened, the disk of the folder is filled with a file `filler` beside it, written until
+               the disk says ENOSPC: the save then meets a real full disk (a small filesystem, such as a tmpfs)
   torn:NAME and closed:NAME pick the file by its path in the folder instead (torn:unet/weights.pt)
   count:PATH   nothing fails; each file's path relative to its folder is appended to PATH as it is closed
 The trigger lives here, in the test's child, not in the package.
@@ -56,6 +59,19 @@ def _before(path, rel):
         raise KeyboardInterrupt
     if KIND == "enospc" and int(ARG) == number:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    if KIND == "fill" and int(ARG) == number:
+        _fill(os.path.join(os.path.dirname(WATCH), "filler"))
+
+
+def _fill(path):
+    block = b"\0" * (1 << 16)
+    with _open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(block)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
 
 
 def _after(path, rel):
@@ -132,6 +148,8 @@ def _tracked_rename(src, dst, *args, **kwargs):
         renames.append((src, dst))
         if KIND == "rename" and int(ARG) == len(renames):
             _kill()
+        if KIND == "sigint-rename" and int(ARG) == len(renames):
+            os.kill(os.getpid(), signal.SIGINT)
     return result
 
 

@@ -9,7 +9,9 @@ run that checks the previous kill is the one whose own save is killed next.
 """
 
 import json
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -85,30 +87,63 @@ def test_killed_saves_zero2_offload_resume_the_previous_checkpoint_or_are_refuse
             f"nothing of it was kept; the previous checkpoint at {ckpt} is untouched.") in interrupted.stderr
     full = outcomes["enospc:6"]
     assert full.returncode != 0
-    assert (f"CheckpointError: accel_ds_fix: save_state({ckpt}) ran out of disk space (ENOSPC) after writing"
-            in full.stderr)
-    assert "it needed about " in full.stderr and " free when it started. Nothing of it was kept; the previous " \
+    assert (f"CheckpointError: accel_ds_fix: save_state({ckpt}) ran out of disk space (the disk is full) after "
+            "writing" in full.stderr)
+    assert "it needs about " in full.stderr and " free when it started. Nothing of it was kept; the previous " \
         f"checkpoint at {ckpt} is untouched. Free some space or save elsewhere." in full.stderr
-    # rename:1 killed the save between moving the old folder away and the new one in: the folder is gone, so the
-    # next load is refused, naming what the save left and the newest whole checkpoint (the new one: its manifest
-    # was written).
-    refused = run([sys.executable, EXAMPLE, *stage, "--import-fix", "--resume", ckpt, "--first-step", "3",
-                   "--steps", "2"], check=False)
-    assert refused.returncode != 0
-    assert (f"{REFUSED}{ckpt}: the folder does not exist: a save_state into it was killed while it replaced the "
-            f"folder; rename a whole one to {ckpt} to resume from it. Nothing was loaded. Left by a save_state into "
-            f"it that did not finish: {tmp_path}/.accel_ds_fix-partial.ckpt, {tmp_path}/.accel_ds_fix-old.ckpt (the "
-            "next save_state there clears what is left). The newest whole checkpoint beside it is "
-            f"{tmp_path}/.accel_ds_fix-partial.ckpt.") in refused.stderr
-    # What the message says to do: take a whole one. The run resumes it exactly, and its save clears the folder
-    # the killed save left.
-    shutil.move(f"{tmp_path}/.accel_ds_fix-old.ckpt", ckpt)
-    proc = child("count:/dev/null", ckpt, EXAMPLE, *resume_and_save(stage, ckpt, tmp_path / "after.json"),
-                 check=True)
-    assert json.loads((tmp_path / "after.json").read_text())["losses"] == expected
-    cleared = f"clearing {tmp_path}/.accel_ds_fix-partial.ckpt, left by a save_state into {ckpt} that did not finish"
-    assert cleared in proc.stderr
+    # rename:1 killed the save between moving the old folder away and the new one in. Its new folder was whole (its
+    # manifest written, every file flushed): the next load_state puts it in place and resumes it, with no other save.
+    recovered = resume_from(stage, ckpt, 5, tmp_path / "recovered.json")
+    assert (f"put the checkpoint that a save_state cut off at its end had written in place at {ckpt} (its files are "
+            "whole: checked against its manifest)") in recovered.stderr
+    assert json.loads((tmp_path / "recovered.json").read_text())["losses"] == after_save(stage, tmp_path)
     assert not list(tmp_path.glob(".accel_ds_fix-*"))
+
+
+def resume_from(stage, ckpt, step, out, check=True):
+    return run([sys.executable, EXAMPLE, *stage, "--import-fix", "--resume", ckpt, "--first-step", str(step),
+                "--steps", "2", "--out", out], check=check)
+
+
+def after_save(stage, tmp_path):
+    """Steps 5 - 6 from the checkpoint a finished resume_and_save wrote (first_checkpoint's copy, saved after step
+    4): what a save cut off after it had written everything must give."""
+    reference = tmp_path / "after-save.json"
+    if not reference.exists():
+        resume_from(stage, tmp_path / "copy", 5, reference)
+    return json.loads(reference.read_text())["losses"]
+
+
+@pytest.mark.parametrize("point", ["sigint-rename:1", "sigint-rename:2"])
+def test_ctrl_c_at_the_end_of_a_save_keeps_the_new_checkpoint_and_says_so(train, tmp_path, point):
+    """Ctrl-C between the two renames that put the new folder in place, and right after them: the swap finishes,
+    the message says the new checkpoint is in place, and it resumes exactly, with nothing left beside it."""
+    stage = STAGES["zero2-offload"]
+    ckpt, _, _ = first_checkpoint(train, tmp_path, stage)
+    proc = child(point, ckpt, EXAMPLE, *resume_and_save(stage, ckpt, tmp_path / "losses.json"))
+    assert proc.returncode != 0
+    assert (f"KeyboardInterrupt: accel_ds_fix: save_state({ckpt}) was interrupted (Ctrl-C) as it finished: the new "
+            f"checkpoint is in place at {ckpt} and whole (its manifest lists every file).") in proc.stderr
+    assert "nothing of it was kept" not in proc.stderr
+    assert not list(tmp_path.glob(".accel_ds_fix-*"))
+    resume_from(stage, ckpt, 5, tmp_path / "resumed.json")
+    assert json.loads((tmp_path / "resumed.json").read_text())["losses"] == after_save(stage, tmp_path)
+
+
+def test_a_killed_saves_leftover_folder_is_named_as_such_when_loaded(train, tmp_path):
+    stage = STAGES["zero2-offload"]
+    ckpt, expected, _ = first_checkpoint(train, tmp_path, stage)
+    shutil.rmtree(tmp_path / "copy")  # a newer whole checkpoint beside it, which the message would name instead
+    killed = child("torn:1", ckpt, EXAMPLE, *resume_and_save(stage, ckpt, tmp_path / "losses.json"))
+    assert killed.returncode == -9
+    partial = tmp_path / ".accel_ds_fix-partial.ckpt"
+    proc = resume_from(stage, partial, 3, tmp_path / "x.json", check=False)
+    assert proc.returncode != 0
+    assert (f"{REFUSED}{partial}: it is the temporary folder of a save_state into {ckpt} that did not finish (killed "
+            f"or interrupted), not a checkpoint. Nothing was loaded. The newest whole checkpoint beside it is "
+            f"{ckpt}.") in proc.stderr
+    resume_from(stage, ckpt, 3, tmp_path / "resumed.json")  # and the checkpoint itself was never touched
+    assert json.loads((tmp_path / "resumed.json").read_text())["losses"] == expected
 
 
 def test_killed_saves_zero3_resume_the_previous_checkpoint(train, tmp_path):
@@ -190,3 +225,50 @@ def test_killed_saves_of_the_other_shipped_tiers_resume_the_previous_checkpoint(
     run([sys.executable, EXAMPLE, *stage, "--import-fix", "--resume", ckpt, "--first-step", "3", "--steps", "2",
          "--out", tmp_path / "last.json"])
     assert json.loads((tmp_path / "last.json").read_text())["losses"] == expected
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real filesystem of 4 MiB (a tmpfs), to fill: mounting needs root (CI has it)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here ({proc.stderr.strip() or 'mount failed'}): needs root")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("point", ["fill:1", "fill:5", "fill:6"],
+                         ids=["in-torch-save", "in-a-python-write", "at-the-end-of-torch-save"])
+def test_a_full_disk_mid_save_is_said_and_the_previous_checkpoint_resumes(train, tmp_path, small_disk, point):
+    """The disk fills while a save writes (fill:N fills it with a file as the N-th file of the save opens): DeepSpeed's
+    torch.save then fails with "unexpected pos" or "iostream error" (no errno), a Python write with ENOSPC. Each way
+    the user reads that the disk is full, how much the save needs, and that the previous checkpoint is untouched;
+    it resumes exactly."""
+    stage = STAGES["zero2-offload"]
+    ckpt = small_disk / "ckpt"
+    reference = train(*stage, "--import-fix", "--steps", "5", "--save-state", ckpt, "--save-state-at", "3")
+    proc = child(point, ckpt, EXAMPLE, *resume_and_save(stage, ckpt, tmp_path / "losses.json"))
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert (f"accel_ds_fix.errors.CheckpointError: accel_ds_fix: save_state({ckpt}) ran out of disk space (the disk "
+            "is full) after writing ") in last, proc.stderr[-3000:]
+    assert re.search(r"it needs about \d+\.\d KiB and the disk of \S+ had \d+\.\d (KiB|MiB) free when it started\. "
+                     rf"Nothing of it was kept; the previous checkpoint at {ckpt} is untouched\.", last), last
+    assert not list(small_disk.glob(".accel_ds_fix-*"))  # the cut-off save's folder is gone
+    (small_disk / "filler").unlink()
+    resume_from(stage, ckpt, 3, tmp_path / "resumed.json")
+    assert json.loads((tmp_path / "resumed.json").read_text())["losses"] == reference["losses"][3:5]
+
+
+def test_a_first_save_on_a_full_disk_says_what_it_needs(tmp_path, small_disk):
+    """No earlier checkpoint to size it by: the message sizes the save from the models (weights and 12 bytes a
+    trained parameter)."""
+    ckpt = small_disk / "runs" / "ckpt"  # and a parent folder that does not exist yet, as scripts save
+    proc = child("fill:1", ckpt, EXAMPLE, *STAGES["zero2-offload"], "--import-fix", "--steps", "2", "--save-state",
+                 ckpt)
+    assert proc.returncode != 0
+    assert re.search(rf"save_state\({ckpt}\) ran out of disk space \(the disk is full\) after writing [\d.]+ KiB: it "
+                     r"needs about [\d.]+ KiB and the disk of \S+ had [\d.]+ (KiB|MiB) free when it started\. Nothing "
+                     r"of it was kept\. Free some space", proc.stderr), proc.stderr[-3000:]

@@ -2,6 +2,7 @@
 
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -169,3 +170,16 @@ def test_installed_stack_gives_no_version_warning():
         print("quiet")
     """)
     assert out == ["quiet"]
+
+
+def test_suffixed_cuda_architectures_build_with_the_fix():
+    """TORCH_CUDA_ARCH_LIST=9.0a (CUDA images for Hopper) stops every DeepSpeed 0.19.8 op build with "invalid literal
+    for int() with base 10: '0a'"; with the fix the build reads 9.0 and the variable stays as the user set it."""
+    probe = [sys.executable, str(Path(__file__).resolve().parent / "arch_list_probe.py")]
+    env = clean_env(TORCH_CUDA_ARCH_LIST="9.0a;10.0a+PTX")
+    without = run(probe, env=env, check=False)
+    assert without.returncode != 0 and "invalid literal for int() with base 10: '0a'" in without.stderr
+    fixed = run([*probe, "--fix"], env=env)
+    assert "DEEPSPEED SET 9.0;10.0+PTX" in fixed.stdout and "AFTER 9.0a;10.0a+PTX" in fixed.stdout
+    assert ("TORCH_CUDA_ARCH_LIST='9.0a;10.0a+PTX' has architecture suffixes DeepSpeed cannot parse: its ops are "
+            "built with '9.0;10.0+PTX'") in fixed.stderr

@@ -196,11 +196,14 @@ def test_without_libaio_the_nvme_tier_stops_before_allocating_and_plan_says_why(
 def test_an_nvme_folder_in_ram_or_without_room_is_named(disk_folder):
     if (nvme_prerequisites.filesystem_of("/dev/shm") or (None, None))[1] != "tmpfs":
         pytest.skip("no tmpfs at /dev/shm here")
-    out = json.loads(run([sys.executable, "-m", "accel_ds_fix", "plan", *LAPTOP, "--nvme-path", "/dev/shm/nvme",
-                          "--json"]).stdout)
+    in_ram = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        out = json.loads(run([sys.executable, "-m", "accel_ds_fix", "plan", *LAPTOP, "--nvme-path", in_ram,
+                              "--json"]).stdout)
+    finally:
+        shutil.rmtree(in_ram)
     row = next(r for r in out["tiers"] if r["tier"] == "zero3-nvme")
     assert not row["can_run_here"] and "is on tmpfs (/dev/shm), which is host memory" in row["cannot_run_here"]
-    assert not os.path.exists("/dev/shm/nvme")  # checked where it would be made, nothing made
     assert nvme_prerequisites.direct_io_problem(str(disk_folder / "swap")) is None
     config = tiers.BY_NAME["zero3-nvme"].deepspeed_config(str(disk_folder))
     free = nvme_prerequisites.free_bytes(disk_folder)
@@ -301,3 +304,61 @@ def test_a_build_killed_halfway_does_not_hang_the_next_run(tmp_path):
     proc = run(build, env=env, timeout=900)
     assert "deepspeed_shm_comm: removed the lock of a build that was killed halfway" in proc.stdout
     assert "deepspeed_shm_comm: built in" in proc.stdout and not lock.exists()
+
+
+def test_swap_files_of_a_killed_run_are_removed_and_a_live_run_is_never_clobbered(disk_folder):
+    """DeepSpeed leaves its NVMe swap files behind when a run is killed, and a second run on the same folder writes
+    over a live one's. A run on the folder while another lives is refused before anything is allocated; the run
+    after a kill -9 removes what the killed one left (counted as room, said), names what dead runs left in process
+    folders it does not use (clean-swap removes those), and its own clean exit leaves no swap file."""
+    skip_without_nvme()
+    stage = ["--zero-stage", "3", "--offload", "nvme", "--nvme-path", str(disk_folder), "--width", "512",
+             "--import-fix"]
+    log = open(disk_folder.parent / f"{disk_folder.name}.log", "w")  # a file: a full pipe would stop the run
+    live = subprocess.Popen([sys.executable, EXAMPLE, *stage, "--steps", "100000"], env=clean_env(),
+                            stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(disk_folder.rglob("*.tensor.swp")) and live.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert live.poll() is None and list(disk_folder.rglob("*.tensor.swp")), "the long run swapped nothing"
+        second = run([sys.executable, EXAMPLE, *stage, "--steps", "2"], env=clean_env(), check=False)
+        assert second.returncode != 0
+        assert (f"ConfigError: accel_ds_fix: the NVMe folder {disk_folder} is in use by another run (pid {live.pid}: "
+                in second.stderr)
+        assert "Nothing was allocated." in second.stderr and "step 0: loss" not in second.stdout
+    finally:
+        live.kill()
+        live.wait()
+        log.close()
+        os.unlink(log.name)
+    left = sum(f.stat().st_size for f in disk_folder.rglob("*.tensor.swp"))
+    assert left > 0  # kill -9: DeepSpeed removed nothing
+    # a dead two-process run's second process folder, which a one-process run does not use
+    shutil.copytree(disk_folder / "zero_stage_3" / "optimizer" / "rank0", disk_folder / "zero_stage_3" / "optimizer" / "rank1")
+    after = run([sys.executable, EXAMPLE, *stage, "--steps", "2"], env=clean_env())
+    assert (f"removed {left / 2**20:.1f} MiB of NVMe swap files in {disk_folder} (process 0) that a run which did not "
+            "end cleanly left; this run swaps into their place") in after.stderr
+    assert (f"{disk_folder} also holds {left / 2**20:.1f} MiB of NVMe swap files that dead runs left (process folders "
+            f"1), which this run does not use: `python -m accel_ds_fix clean-swap {disk_folder}` removes them"
+            in after.stderr)
+    assert "step 1: loss" in after.stdout
+    assert not list((disk_folder / "zero_stage_3" / "optimizer" / "rank0").rglob("*.swp"))  # its clean exit
+    cleaned = run([sys.executable, "-m", "accel_ds_fix", "clean-swap", str(disk_folder)], env=clean_env())
+    assert f"removed {left / 2**30:.2f} GiB of NVMe swap files that dead runs left in {disk_folder}" in cleaned.stdout
+    assert not list(disk_folder.rglob("*.swp"))
+
+
+def test_swap_files_of_dead_runs_count_as_room(disk_folder):
+    # What a dead run left in this run's process folders is removed before the run swaps: room, not use.
+    config = tiers.BY_NAME["zero3-nvme"].deepspeed_config(str(disk_folder))
+    free = nvme_prerequisites.free_bytes(disk_folder)
+    stale = disk_folder / "zero_stage_3" / "optimizer" / "rank0"
+    stale.mkdir(parents=True)
+    with open(stale / "7.tensor.swp", "wb") as f:  # as large as the disk's free space, without using it (sparse)
+        f.truncate(free)
+    errors, _ = nvme_prerequisites.room_problems(config, free + 2**30, 0)
+    assert not errors
+    (stale / "7.tensor.swp").unlink()
+    errors, _ = nvme_prerequisites.room_problems(config, free + 2**30, 0)
+    assert errors and "needs " in errors[0]

@@ -1,5 +1,6 @@
 """`pip install .` and `pip install -e .` both ship accel_ds_fix.pth, so ACCEL_DS_FIX=1 activates the fix."""
 
+import re
 import subprocess
 import sys
 import venv
@@ -47,3 +48,12 @@ def test_broken_activation_is_reported_not_raised(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip() == "alive"
     assert "accel_ds_fix: ACCEL_DS_FIX is set, but the fix could not be activated: RuntimeError('boom')" in proc.stderr
+
+
+def test_what_a_deepspeed_run_needs_is_declared():
+    # accelerate 1.16 looks up transformers' version in every DeepSpeed run (DeepSpeedPlugin.set_deepspeed_weakref):
+    # a venv holding only the declared packages died there with PackageNotFoundError before it was declared.
+    from importlib import metadata
+
+    declared = {re.split(r"[ <>=!;\[]", r)[0].lower() for r in metadata.requires("accel_ds_fix") if "extra ==" not in r}
+    assert {"wrapt", "accelerate", "deepspeed", "torch", "transformers"} <= declared

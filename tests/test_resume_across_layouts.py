@@ -231,11 +231,24 @@ def test_frozen_text_encoder_round_trip_zero2_zero3_zero2(tmp_path):
     (["--write", "/proc/nope"], "cannot write the config into /proc/nope: No such file or directory; give a folder "
                                 "you can write (it is made where missing)"),
     (["--write", "FILE/configs"], "argument --write: cannot write into FILE/configs: FILE is a file, not a folder"),
-], ids=["size-without-unit", "zero-parameters", "write-into-proc", "write-under-a-file"])
+    (["--params", "9" * 29], "argument --params: '" + "9" * 29 + "': more parameters than any machine trains (at "
+                             "most 10000B); examples: 983M, 12B"),
+    (["--params", "1" + "0" * 17], "more parameters than any machine trains"),
+    (["--params", "9" * 400], "argument --params: not a parameter count: '999"),
+    (["--nvme-path", "MISSING"], "argument --nvme-path: MISSING does not exist (make it first: mkdir -p MISSING): give "
+                                 "the folder on the NVMe disk DeepSpeed should swap to"),
+    (["--nvme-path", "/proc"], "argument --nvme-path: cannot write files in /proc (a proc filesystem): "),
+    (["--host-memory", "1KB"], "argument --host-memory: '1KB' is less than the 3 GiB the plan keeps for the system "
+                               "and desktop: give the whole memory, e.g. 6GiB"),
+    (["--gpu-memory", "1KB"], "argument --gpu-memory: '1KB' is less than the 0.5 GiB the plan keeps for the CUDA "
+                              "context and display"),
+], ids=["size-without-unit", "zero-parameters", "write-into-proc", "write-under-a-file", "params-overflow",
+        "params-1e17", "params-400-digits", "nvme-path-missing", "nvme-path-proc", "host-1KB", "gpu-1KB"])
 def test_plan_refuses_bad_input_in_one_line(tmp_path, args, words):
     (tmp_path / "a-file").write_text("")
-    a_file = str(tmp_path / "a-file")
-    args, words = [a.replace("FILE", a_file) for a in args], words.replace("FILE", a_file)
+    a_file, missing = str(tmp_path / "a-file"), str(tmp_path / "missing" / "nvme")
+    args = [a.replace("FILE", a_file).replace("MISSING", missing) for a in args]
+    words = words.replace("FILE", a_file).replace("MISSING", missing)
     given = {"--params": "983M", "--gpu-memory": "6GiB", "--host-memory": "15GiB"}
     given.update(dict(zip(args[::2], args[1::2])))
     command = [sys.executable, "-m", "accel_ds_fix", "plan"]
@@ -245,3 +258,4 @@ def test_plan_refuses_bad_input_in_one_line(tmp_path, args, words):
     assert proc.returncode == 2
     assert words in proc.stderr
     assert "Traceback" not in proc.stderr and "tier " not in proc.stdout  # no plan printed for bad input
+    assert not (tmp_path / "missing").exists()  # nothing made that the user did not ask for

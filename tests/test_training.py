@@ -1,5 +1,6 @@
 """Two models + one optimizer trained through the fix give the same losses as the hand-written merged module."""
 
+import json
 import sys
 
 import pytest
@@ -61,3 +62,19 @@ def test_two_processes_data_parallel(train):
     assert fixed["losses"] == reference["losses"]
     single = train("--zero-stage", "2", "--import-fix")
     assert fixed["losses"] != single["losses"]  # really two shards of data
+
+
+def test_clipping_notice_says_what_the_engine_does(tmp_path):
+    """accelerate fills a DeepSpeed config's "auto" gradient_clipping with 1.0: the engine then clips every step,
+    which a script that never clips does not do without DeepSpeed. The losses show which norm the engine used."""
+    runs = {}
+    for clipping in ("auto", "1.0", "0"):
+        out = tmp_path / f"{clipping}.json"
+        proc = run([sys.executable, EXAMPLE, "--zero-stage", "2", "--import-fix", "--steps", "4",
+                    "--gradient-clipping", clipping, "--out", out])
+        runs[clipping] = (json.loads(out.read_text())["losses"], proc.stderr)
+    assert runs["auto"][0] == runs["1.0"][0] != runs["0"][0]  # clipping at 1.0 changes these steps
+    assert ("the DeepSpeed engine clips the gradients' norm to 1 at every step (the DeepSpeed config's "
+            'gradient_clipping is "auto", which accelerate fills with 1). Without DeepSpeed a script clips only where '
+            "it calls accelerator.clip_grad_norm_()." in runs["auto"][1])
+    assert "clips the gradients' norm" not in runs["1.0"][1] + runs["0"][1]  # asked for, or none: nothing to say

@@ -55,11 +55,10 @@ def test_shipped_yaml_trains_saves_and_resumes_from_another_folder(tmp_path, con
     assert a["fix_active"] and len(a["losses"]) == 6 and a["losses"][-1] != a["losses"][0]
     assert "accel_ds_fix" in first.stderr and "merged 2 models into one DeepSpeed engine" in first.stderr
     assert (elsewhere / "ckpt" / "accel_ds_fix.json").exists()
-    # The restored weights give the same loss, and so does the first step after the resume. Under optimizer
-    # offload later steps drift by ~1e-4: DeepSpeedCPUAdam recomputes its bias correction with pow() after a
-    # resume instead of multiplying step by step; a hand-written merged module drifts identically (docs).
-    assert b["losses"][:2] == a["losses"][3:5]
-    assert b["losses"][2] == pytest.approx(a["losses"][5], rel=1e-2)
+    # The resume is exact in every shipped tier, with the example's decaying learning rate, for three steps:
+    # under optimizer offload the scheduler's groups stay the engine's (checkpoints/param_groups.py; before, the
+    # rate stayed at the save's and the third step parted by 1e-3 relative).
+    assert b["losses"] == a["losses"][3:6]
     assert "Traceback" not in resumed.stderr
 
 

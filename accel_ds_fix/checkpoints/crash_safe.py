@@ -10,11 +10,14 @@ A whole-file sha256 costs one read of the checkpoint at save and at load (the fi
 after the save; about 1 GB/s a core): a size check alone would not see a file rewritten in place or altered.
 """
 
+import contextlib
 import errno
 import hashlib
 import logging
 import os
 import shutil
+import signal
+import threading
 
 from .. import notices
 from ..errors import CheckpointError
@@ -103,18 +106,22 @@ def problems(directory, content):
 
 
 def _whole(directory):
-    content = manifest.read(directory)
+    try:
+        content = manifest.read(directory)
+    except ValueError:  # a manifest cut off mid-write
+        return False
     return content is not None and "files" in content and not problems(directory, content)
 
 
 def newest_whole_beside(directory):
-    """The newest folder beside ``directory`` (temporary ones included) whose manifest verifies, or None."""
+    """The newest checkpoint folder beside ``directory`` whose manifest verifies, or None. A save's temporary
+    folders are no checkpoints to name: load_state puts a whole one in place itself (recover)."""
     parent = os.path.dirname(os.path.abspath(directory))
     me = os.path.abspath(directory)
     candidates = []
     for name in os.listdir(parent) if os.path.isdir(parent) else []:
         path = os.path.join(parent, name)
-        if path != me and os.path.isfile(os.path.join(path, manifest.FILENAME)):
+        if path != me and not is_temporary(name) and os.path.isfile(os.path.join(path, manifest.FILENAME)):
             candidates.append((os.path.getmtime(os.path.join(path, manifest.FILENAME)), path))
     return next((path for _, path in sorted(candidates, reverse=True) if _whole(path)), None)
 
@@ -135,14 +142,33 @@ def _refusal(directory, what):
     return CheckpointError(" ".join(parts))
 
 
+def _saved_into(directory):
+    """The folder a save's temporary folder ``directory`` stands beside, or None for any other folder."""
+    name = os.path.basename(os.path.normpath(directory))
+    for prefix in (PARTIAL, OLD):
+        if name.startswith(prefix):
+            return os.path.join(os.path.dirname(os.path.normpath(directory)), name[len(prefix):])
+    return None
+
+
 def check_whole(directory):
     """Before load_state loads anything: raise CheckpointError unless ``directory`` is exactly what a save wrote.
     A checkpoint of an earlier release (manifest without a file list) or without a manifest passes here:
-    manifest.check says what it holds."""
+    manifest.check says what it holds. Run recover(directory) first: what a save cut off in its folder swap is
+    then in place."""
+    target = _saved_into(directory)
+    if target is not None:
+        whole = newest_whole_beside(directory)  # the folder it was saving into counts
+        raise CheckpointError(
+            f"accel_ds_fix: refusing to load {directory}: it is the temporary folder of a save_state into {target} "
+            "that did not finish (killed or interrupted), not a checkpoint. Nothing was loaded. "
+            + (f"The newest whole checkpoint beside it is {whole}." if whole
+               else "No whole checkpoint was found beside it.")
+        )
     if not os.path.isdir(directory):
         if leftovers(directory):
-            raise _refusal(directory, "the folder does not exist: a save_state into it was killed while it "
-                                      f"replaced the folder; rename a whole one to {directory} to resume from it")
+            raise _refusal(directory, "the folder does not exist, and what a save_state into it left holds no "
+                                      "whole checkpoint")
         return
     try:
         content = manifest.read(directory)
@@ -157,14 +183,36 @@ def check_whole(directory):
                                   f"{shown}")
 
 
-def _recover(target):
-    """Before a save: put back what a save killed between its two renames left, clear a killed save's folder."""
+def recover(target):
+    """Finish what a save cut off in its folder swap left (kill -9 or Ctrl-C between or after its renames), on
+    the main process, before a load or the next save: the new checkpoint where it was whole, else the previous
+    one, goes in place, and a script's own files still in the previous folder move into it. Returns what it
+    did, in words (None: nothing to do)."""
     old, partial = _beside(target, OLD), _beside(target, PARTIAL)
-    if os.path.lexists(old):
-        if os.path.lexists(target):
-            shutil.rmtree(old)
-        else:
+    done = None
+    if not os.path.lexists(target) and (os.path.lexists(old) or os.path.isdir(partial)):
+        if os.path.isdir(partial) and _whole(partial):
+            os.rename(partial, target)
+            done = (f"put the checkpoint that a save_state cut off at its end had written in place at {target} (its "
+                    "files are whole: checked against its manifest)")
+        elif os.path.lexists(old):
             os.rename(old, target)
+            done = (f"put the previous checkpoint back at {target}: the save_state that was replacing it did not "
+                    "finish")
+        _fsync_dir(os.path.dirname(os.path.abspath(target)))
+    if os.path.lexists(old):  # the new checkpoint is in place: bring over what the save kept, drop the rest
+        content = manifest.read(target) if os.path.isfile(os.path.join(target, manifest.FILENAME)) else None
+        for name in (content or {}).get("kept", []):
+            if os.path.lexists(os.path.join(old, name)) and not os.path.lexists(os.path.join(target, name)):
+                os.rename(os.path.join(old, name), os.path.join(target, name))
+        shutil.rmtree(old)
+    if done:
+        notices.say(done, level=logging.WARNING)
+    return done
+
+
+def _clear_partial(target):
+    partial = _beside(target, PARTIAL)
     if os.path.lexists(partial):
         notices.say(f"clearing {partial}, left by a save_state into {target} that did not finish",
                     level=logging.WARNING)
@@ -207,38 +255,58 @@ def _kept(target, partial):
     return sorted(set(os.listdir(target)) - written - previous)
 
 
-def _replace(partial, target, kept):
-    parent = os.path.dirname(os.path.abspath(target))
+def _swap_in(partial, target):
+    """The new folder in place of the previous one (moved to OLD beside it). A kill between the two renames is
+    finished by recover(); Ctrl-C waits for both (_ctrl_c_deferred)."""
     if os.path.lexists(target):
-        old = _beside(target, OLD)
-        os.rename(target, old)
-        os.rename(partial, target)
-        _fsync_dir(parent)
+        os.rename(target, _beside(target, OLD))
+    os.rename(partial, target)
+    _fsync_dir(os.path.dirname(os.path.abspath(target)))
+
+
+def _drop_previous(target, kept):
+    """After _swap_in: a script's own files of the previous folder move into the new one, the rest goes."""
+    old = _beside(target, OLD)
+    if os.path.lexists(old):
         for name in kept:
             os.rename(os.path.join(old, name), os.path.join(target, name))
         shutil.rmtree(old)
-    else:
-        os.rename(partial, target)
-    _fsync_dir(parent)
+        _fsync_dir(os.path.dirname(os.path.abspath(target)))
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred():
+    """Ctrl-C (SIGINT) while the block runs is raised when it ends, so that the folder swap is never cut between
+    its two renames by a KeyboardInterrupt. Only the main thread can take signals; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: came.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if came:
+        raise KeyboardInterrupt
 
 
 def _disk_full(exc):
-    while exc is not None:
-        text = str(exc)
-        if getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in text:
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any(getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e) for e in _chain(exc))
 
 
-def save(accelerator, target, save_into, write_manifest):
+def save(accelerator, target, save_into, write_manifest, size_estimate=None):
     """Run ``save_into(folder)`` (accelerate's save_state, on every process) into a temporary folder beside
-    ``target``, then ``write_manifest(folder, files, kept)`` on the main process, and move it into place once."""
+    ``target``, then ``write_manifest(folder, files, kept)`` on the main process, and move it into place once.
+    ``size_estimate()``: the bytes a save of these models writes, for a full disk's message when no earlier
+    checkpoint tells."""
     partial = _beside(target, PARTIAL)
     main = accelerator.is_main_process
     free, placed = None, False
     if main:
-        _recover(target)
+        os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)  # as accelerate's save_state does
+        recover(target)
+        _clear_partial(target)
         free = _room_check(target)
     accelerator.wait_for_everyone()
     try:
@@ -249,12 +317,19 @@ def save(accelerator, target, save_into, write_manifest):
             kept = _kept(target, partial)
             write_manifest(partial, _files(partial, kept), kept)
             _fsync_dir(partial)
-            _replace(partial, target, kept)
-            placed = True
+            with _ctrl_c_deferred():
+                _swap_in(partial, target)
+                placed = True
+            _drop_previous(target, kept)
         accelerator.wait_for_everyone()
     except KeyboardInterrupt as exc:
         if placed:
-            raise  # the new checkpoint is in place: the save finished
+            if main:
+                recover(target)  # what _drop_previous had left to do
+            raise KeyboardInterrupt(
+                f"accel_ds_fix: save_state({target}) was interrupted (Ctrl-C) as it finished: the new checkpoint is in "
+                f"place at {target} and whole (its manifest lists every file)."
+            ) from exc
         _discard(main, partial)
         raise KeyboardInterrupt(
             f"accel_ds_fix: save_state({target}) was interrupted (Ctrl-C) before it finished: nothing of it was "
@@ -263,22 +338,43 @@ def save(accelerator, target, save_into, write_manifest):
     except Exception as exc:
         if placed:
             raise
-        # torch.save's C++ writer says only "file write failed" on a full disk: then the disk's free space tells
         free_now = shutil.disk_usage(os.path.dirname(os.path.abspath(target))).free
-        if not (_disk_full(exc) or (free_now < 64 << 20 and "write failed" in str(exc))):
+        written = _size(partial) if os.path.isdir(partial) else 0
+        needed = _estimate(target) or (size_estimate() if size_estimate else None)
+        if not _ran_out_of_space(exc, free_now, written, needed):
             _discard(main, partial)
             raise
-        written = _size(partial) if os.path.isdir(partial) else 0
         _discard(main, partial)
-        needed = _estimate(target)
         need = f"about {_gib(needed)}" if needed else f"more than the {_gib(written)} it had written"
         had = f"{_gib(free)} free when it started" if free is not None else "too little free"
         raise CheckpointError(
-            f"accel_ds_fix: save_state({target}) ran out of disk space (ENOSPC) after writing {_gib(written)}: it "
-            f"needed {need} and the disk of {os.path.dirname(os.path.abspath(target))} had {had}. Nothing of it "
-            f"was kept{_untouched(target)}. Free some space or save elsewhere."
+            f"accel_ds_fix: save_state({target}) ran out of disk space (the disk is full) after writing "
+            f"{_gib(written)}: it needs {need} and the disk of {os.path.dirname(os.path.abspath(target))} had {had}. "
+            f"Nothing of it was kept{_untouched(target)}. Free some space or save elsewhere."
         ) from exc
     return location
+
+
+def _ran_out_of_space(exc, free_now, written, needed):
+    """Whether a failed save failed for want of disk space. Python's writes say ENOSPC; torch.save's C++ writer
+    says only "unexpected pos N vs M", "file write failed" or "iostream error" (a short write, errno lost): then the
+    free space
+    tells, now that the failed write has filled the disk."""
+    if _disk_full(exc):
+        return True
+    text = " ".join(str(e) for e in _chain(exc))
+    if not any(words in text for words in _TORCH_WRITE_FAILED):
+        return False
+    return free_now < (64 << 20) or (needed is not None and free_now + written < needed)
+
+
+_TORCH_WRITE_FAILED = ("unexpected pos", "write failed", "PytorchStreamWriter failed writing", "iostream error")
+
+
+def _chain(exc):
+    while exc is not None:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
 
 
 def _untouched(target):

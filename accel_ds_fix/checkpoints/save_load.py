@@ -22,7 +22,7 @@ from ..gather import copied_by_hook, shards
 from ..lookup import merged_engines
 from ..merge import trainability
 from ..merge.proxy import unwrap
-from . import crash_safe, layout_change, manifest, nvme_resume
+from . import crash_safe, layout_change, manifest, nvme_resume, param_groups
 from .engine_views import merged_view
 
 
@@ -156,7 +156,7 @@ def save_state(wrapped, instance, args, kwargs):
         merged = merged_view(engines, lambda e: _checkpoint_tag(instance, e))
         manifest.write(folder, merged, files, kept, layout_change.of_engine(engines[0]))
 
-    location = crash_safe.save(instance, target, save_into, write_manifest)
+    location = crash_safe.save(instance, target, save_into, write_manifest, lambda: _checkpoint_bytes(engines))
     return type(location)(target) if isinstance(location, (str, os.PathLike)) else location
 
 
@@ -214,6 +214,9 @@ def load_state(wrapped, instance, args, kwargs):
     engines = merged_engines(instance)  # one per optimizer of a GAN-style prepare(), else one
     directory = _input_dir(instance, args, kwargs) if engines else None
     if directory is not None:
+        if instance.is_main_process:
+            crash_safe.recover(directory)  # a save cut off in its folder swap: the whole checkpoint it left
+        instance.wait_for_everyone()
         crash_safe.check_whole(directory)  # a partial, mixed or altered folder: refused before anything loads
     if directory is None or not os.path.isdir(directory):
         return wrapped(*args, **kwargs)  # accelerate's own handling, and its own error for a missing folder
@@ -235,7 +238,7 @@ def load_state(wrapped, instance, args, kwargs):
     # several engines reach here only in the layout that saved them (refused above otherwise): nothing converted
     with layout_change.resumed(instance, engines[0], directory, tags[0], saved_layout) as converted:
         with _hooks_replaced(instance, "_load_model_state_pre_hook", lambda hook: _already_called):
-            with trainability.as_saved(merged, saved["frozen"]):
+            with trainability.as_saved(merged, saved["frozen"]), param_groups.kept_across_load(engines):
                 # the folder checked, also where accelerate would pick it (automatic naming: the highest number)
                 rest = {k: v for k, v in kwargs.items() if k != "input_dir"}
                 result = wrapped(directory, *args[1:], **rest)
@@ -243,6 +246,18 @@ def load_state(wrapped, instance, args, kwargs):
         for engine, tag in zip(engines, tags):
             nvme_resume.restore(engine, directory, tag)
     return result
+
+
+def _checkpoint_bytes(engines):
+    """About what a save of these engines writes: each weight in its dtype (the model states; under ZeRO-3 the
+    partitions in the optimizer file) and 12 bytes a trained parameter (fp32 master weight and Adam's two
+    states)."""
+    total = 0
+    for engine in engines:
+        for p in engine.module.parameters():
+            numel = getattr(p, "ds_numel", p.numel())
+            total += numel * p.element_size() + (12 * numel if p.requires_grad else 0)
+    return total
 
 
 def _checkpoint_tag(accelerator, engine):

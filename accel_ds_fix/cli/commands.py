@@ -9,11 +9,13 @@ import json
 import os
 import re
 import sys
+import tempfile
 
 from ..memory import advice
 from ..memory import model as memory_model
 from ..memory import tiers
 from ..nvme import disk_speed
+from ..nvme import prerequisites as nvme_prerequisites
 from ..ops import builds, libaio
 from . import report
 
@@ -35,8 +37,23 @@ def _positive(parse, what, examples):
     return check
 
 
-_parameter_count = _positive(advice.parse_count, "a parameter count", "983M, 1.1B")  # --params, --trainable
-_sized = _positive(advice.parse_bytes, "a memory size", "6GiB, 15GB")
+def _at_most(check, parse, limit, what):
+    """An argparse type: ``check``, then no more than ``limit`` (larger is a typo, and would not plan)."""
+
+    def bounded(text):
+        check(text)
+        if parse(text) > limit:
+            raise argparse.ArgumentTypeError(f"{text!r}: {what}")
+        return text
+
+    return bounded
+
+
+# --params, --trainable: 10 trillion is far beyond what DeepSpeed trains on one machine (16 bytes a parameter)
+_parameter_count = _at_most(_positive(advice.parse_count, "a parameter count", "983M, 1.1B"), advice.parse_count,
+                            10**13, "more parameters than any machine trains (at most 10000B); examples: 983M, 12B")
+_sized = _at_most(_positive(advice.parse_bytes, "a memory size", "6GiB, 15GB"), advice.parse_bytes, 2**50,
+                  "larger than any machine's memory (at most 1024TiB); examples: 6GiB, 15GB")
 
 
 def _memory_size(text):
@@ -46,6 +63,36 @@ def _memory_size(text):
         raise argparse.ArgumentTypeError(f"{text!r} has no unit: write {text.strip()}GiB (or {text.strip()}GB, "
                                          f"{text.strip()}g; MiB, MB, m and TiB, TB, t work too)")
     return _sized(text)
+
+
+def _at_least(minimum, what):
+    """argparse type of --gpu-memory and --host-memory: a size, more than what the plan keeps aside."""
+
+    def check(text):
+        text = _memory_size(text)
+        if advice.parse_bytes(text) <= minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is less than the {minimum / GIB:g} GiB the plan keeps for "
+                                             f"{what}: give the whole memory, e.g. 6GiB")
+        return text
+
+    return check
+
+
+def _nvme_folder(text):
+    """argparse type of --nvme-path: a folder that exists and takes files (measured inside; nothing is made)."""
+    path = os.path.abspath(os.path.expanduser(text))
+    if not os.path.isdir(path):
+        what = "is a file, not a folder" if os.path.exists(path) else f"does not exist (make it first: mkdir -p {text})"
+        raise argparse.ArgumentTypeError(f"{text} {what}: give the folder on the NVMe disk DeepSpeed should swap to")
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        mount = nvme_prerequisites.filesystem_of(path)
+        kind = f" (a {mount[1]} filesystem)" if mount else ""
+        raise argparse.ArgumentTypeError(f"cannot write files in {text}{kind}: {exc.strerror}; give a folder on the "
+                                         "NVMe disk DeepSpeed should swap to") from None
+    return text
 
 
 def _whole_number(text):
@@ -81,8 +128,10 @@ def _plan_parser(sub):
     what.add_argument("--model", help="a diffusers pipeline folder (its unet and text encoders are counted), a "
                                       "transformers/diffusers model folder, or a .safetensors file")
     p.add_argument("--trainable", type=_parameter_count, help="trainable parameters, if fewer than all (default: all)")
-    p.add_argument("--gpu-memory", type=_memory_size, help="the card's memory, e.g. 6GiB (default: detected)")
-    p.add_argument("--host-memory", type=_memory_size, help="the machine's RAM, e.g. 16GiB (default: detected)")
+    p.add_argument("--gpu-memory", type=_at_least(advice.GPU_RESERVE, "the CUDA context and display"),
+                   help="the card's memory, e.g. 6GiB (default: detected)")
+    p.add_argument("--host-memory", type=_at_least(advice.HOST_RESERVE, "the system and desktop"),
+                   help="the machine's RAM, e.g. 16GiB (default: detected)")
     p.add_argument("--activations", default="0.42GiB", type=_memory_size,
                    help="activation memory at the peak (default 0.42GiB: SD1.5, 512 px, batch 1, gradient checkpointing)")
     p.add_argument("--mixed-precision", default="fp16", choices=["fp16", "bf16", "no"])
@@ -91,7 +140,7 @@ def _plan_parser(sub):
     p.add_argument("--write", metavar="DIR", type=_writable_folder,
                    help="write the recommended (or --tier) config pair into DIR")
     p.add_argument("--tier", choices=[t.name for t in tiers.TIERS], help="the tier to write instead")
-    p.add_argument("--nvme-path",
+    p.add_argument("--nvme-path", type=_nvme_folder,
                    help="folder on an NVMe disk for the zero3-nvme tier's optimizer states (default "
                         f"{tiers.DEFAULT_NVME_PATH}); given, its read and write speed is measured (a few seconds) "
                         "and the tier's time a step predicted")
@@ -268,6 +317,19 @@ def _convert_checkpoint(folder, tag):
     return 0
 
 
+def _clean_swap(folder):
+    from ..nvme import swap_folder
+
+    if not os.path.isdir(folder):
+        print(f"accel_ds_fix clean-swap: {folder} is not a folder", file=sys.stderr)
+        return 2
+    freed, live = swap_folder.clean(folder)
+    print(f"removed {freed / GIB:.2f} GiB of NVMe swap files that dead runs left in {folder}")
+    if live:
+        print(f"left alone: process folder(s) {', '.join(map(str, live))}, in use by a live run")
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m accel_ds_fix",
                                      description="Without a command: report whether the fix is active here.")
@@ -293,7 +355,15 @@ def main(argv=None):
     convert.add_argument("folder", metavar="DIR", help="a folder accelerator.save_state() wrote")
     convert.add_argument("--tag", default="pytorch_model", help="the engine's checkpoint inside it (default "
                                                                "pytorch_model)")
+    clean = sub.add_parser("clean-swap", help="remove the NVMe swap files that killed runs left in a folder",
+                           description="DeepSpeed leaves its swap files (gigabytes) in nvme_path when a run is "
+                                       "killed. Removes those of every process folder no live run holds; a live "
+                                       "run's are left alone. A run removes the dead files of its own process "
+                                       "folders by itself, and its own at a clean exit.")
+    clean.add_argument("folder", metavar="DIR", help="the nvme_path of the DeepSpeed config")
     args = parser.parse_args(argv)
+    if args.command == "clean-swap":
+        return _clean_swap(args.folder)
     if args.command == "convert-checkpoint":
         return _convert_checkpoint(args.folder, args.tag)
     if args.command == "get-libaio":

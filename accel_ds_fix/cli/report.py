@@ -96,7 +96,10 @@ def lines():
         verdict = "not installed" if found is None else (versions.untested(package, found) and "UNTESTED" or "tested")
         out.append(f"  {package:<13} {found or '-':<12} {verdict} (tested {low} to {high})")
     for package in OTHER_PACKAGES:
-        out.append(f"  {package:<13} {versions.installed_version(package) or '-'}")
+        found = versions.installed_version(package)
+        needed = " (MISSING: accelerate's DeepSpeed path imports it in every run: pip install transformers)" if (
+            package == "transformers" and found is None) else ""
+        out.append(f"  {package:<13} {found or '-'}{needed}")
     pth = _pth_files()
     out += [
         "",

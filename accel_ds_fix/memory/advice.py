@@ -31,7 +31,10 @@ def parse_count(text):
     match = re.fullmatch(r"\s*([0-9.]+)\s*([kmbg]?)\s*", str(text).lower())
     if not match:
         raise ValueError(f"not a parameter count: {text!r} (examples: 983M, 1.1B, 860000000)")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
+    try:
+        return int(float(match.group(1)) * _UNITS[match.group(2)])
+    except (OverflowError, ValueError):  # "1..2", or more digits than a float holds
+        raise ValueError(f"not a parameter count: {text!r} (examples: 983M, 1.1B, 860000000)") from None
 
 
 def parse_bytes(text):
@@ -39,7 +42,10 @@ def parse_bytes(text):
     match = re.fullmatch(r"\s*([0-9.]+)\s*([a-z]*)\s*", str(text).lower())
     if not match or match.group(2) not in _BYTES:
         raise ValueError(f"not a memory size: {text!r} (examples: 6GiB, 16GB, 12g)")
-    return int(float(match.group(1)) * _BYTES[match.group(2)])
+    try:
+        return int(float(match.group(1)) * _BYTES[match.group(2)])
+    except (OverflowError, ValueError):
+        raise ValueError(f"not a memory size: {text!r} (examples: 6GiB, 16GB, 12g)") from None
 
 
 def _safetensors_numel(path):
@@ -114,10 +120,10 @@ def _detected_host():
     return _meminfo("MemTotal")
 
 
-def _can_run_here(config, prediction, checkpoint):
+def _can_run_here(config, prediction, checkpoint, world_size):
     """(reasons it cannot run on this machine, notes): NVMe prerequisites and disk room; none for other tiers."""
     cannot = nvme_prerequisites.problems(config)
-    errors, notes = nvme_prerequisites.room_problems(config, prediction.nvme, checkpoint)
+    errors, notes = nvme_prerequisites.room_problems(config, prediction.nvme, checkpoint, world_size)
     return cannot + errors, notes
 
 
@@ -139,7 +145,7 @@ def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_
         fits_gpu = bool(machine.gpu_usable) and p.gpu_reserved <= machine.gpu_usable
         fits_host = bool(machine.host_usable) and p.host <= machine.host_usable
         checkpoint = memory_model.checkpoint_bytes(work, settings)
-        cannot, notes = _can_run_here(config, p, checkpoint)
+        cannot, notes = _can_run_here(config, p, checkpoint, world_size)
         rows.append({
             "tier": tier.name,
             "title": tier.title,

@@ -17,7 +17,7 @@ from ..errors import MemoryPlanError, PrerequisiteError
 from ..gather import full_numel
 from ..merge.merged_module import hidden_size_of
 from ..nvme import prerequisites as nvme_prerequisites
-from ..nvme import sub_groups_in_ram
+from ..nvme import sub_groups_in_ram, swap_folder
 from . import model as memory_model
 
 ENV = "ACCEL_DS_FIX_MEMORY_CHECK"
@@ -141,6 +141,9 @@ def check_prerequisites(models, optimizer, config, accelerator):
     work = workload_of(models, optimizer)
     problems = nvme_prerequisites.problems(config, load=True, work=work)
     if not problems:
+        # this process's swap folders: another live run there is refused, a dead run's files go (room for ours)
+        swap_folder.take([f for f in nvme_prerequisites.nvme_folders(config) if f], accelerator.process_index,
+                         accelerator.num_processes, lambda line: notices.say(line, level=logging.WARNING))
         return
     hidden = max(hidden_size_of(m) for m in models)
     tiers = runnable_tiers_sentence(work, accelerator, Capacity(accelerator, models), hidden)

@@ -7,7 +7,7 @@ per loss (backward_routing.py)."""
 import logging
 
 from .. import notices
-from ..patches import cpu_threads, gpu_block_release
+from ..patches import clipping, cpu_threads, gpu_block_release
 from . import backward_routing, engine_setup, gradient_explanation
 from .merged_module import MergedModels
 from .optimizer_groups import EngineGroups
@@ -51,4 +51,5 @@ def prepare(wrapped, instance, args, kwargs, config):
     gradient_explanation.watch(zero.get("stage"))
     if instance.is_main_process:
         notices.say(plan.describe(zero.get("stage")), level=logging.INFO)
+        clipping.say_at_prepare(instance)
     return tuple(handed_back[i] for i in range(len(args)))

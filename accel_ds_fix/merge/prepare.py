@@ -9,7 +9,7 @@ import torch
 from .. import notices
 from ..lookup import deepspeed_config, uses_deepspeed
 from ..memory import check as memory_check
-from ..patches import cpu_threads, gpu_block_release, old_accelerate, zero3_dtypes
+from ..patches import clipping, cpu_threads, gpu_block_release, old_accelerate, zero3_dtypes
 from . import engine_per_optimizer, engine_setup, gradient_explanation
 from .merge_plan import MergePlan, is_optimizer
 from .merged_module import MergedModels
@@ -38,6 +38,7 @@ def prepare(wrapped, instance, args, kwargs):
     if not uses_deepspeed(instance):
         return wrapped(*args, **kwargs)
     config = deepspeed_config(instance)
+    clipping.record_configured(instance, config)
     zero = config.get("zero_optimization", {})
     offload_device = zero.get("offload_optimizer", {}).get("device", "none")
     force_cpu_optimizer = config.get("zero_force_ds_cpu_optimizer", True)
@@ -86,4 +87,5 @@ def prepare(wrapped, instance, args, kwargs):
     gradient_explanation.watch(zero.get("stage"))
     if instance.is_main_process:
         notices.say(description)
+        clipping.say_at_prepare(instance)
     return tuple(handed_back)

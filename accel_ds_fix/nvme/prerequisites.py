@@ -9,6 +9,7 @@ import os
 
 from ..memory import model as memory_model
 from ..ops import builds, libaio
+from . import swap_folder
 
 GIB = 1024**3
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")
@@ -147,15 +148,16 @@ def problems(config, load=False, work=None):
     return [p for p in found if p]
 
 
-def room_problems(config, swap_bytes, checkpoint_bytes):
+def room_problems(config, swap_bytes, checkpoint_bytes, world_size=1):
     """(errors, warnings) about disk room: the swap files must fit; a checkpoint that would not fit beside them
     is said before the run, since each save_state of this tier writes that much (to the folder the script
-    names, often on the same disk)."""
+    names, often on the same disk). Swap files that dead runs left in this run's process folders count as free:
+    the run removes them first (swap_folder.take)."""
     errors, warnings = [], []
     for folder in nvme_folders(config):
         if not folder:
             continue
-        free = free_bytes(folder)
+        free = free_bytes(folder) + sum(swap_folder.stale(folder, set(range(world_size))).values())
         if free < swap_bytes:
             errors.append(f"disk: the NVMe offload folder {folder} needs {swap_bytes / GIB:.1f} GiB, its disk has "
                           f"{free / GIB:.1f} GiB free")

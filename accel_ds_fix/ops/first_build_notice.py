@@ -1,12 +1,13 @@
-"""Say when DeepSpeed compiles one of its C++ ops for the first time: a silent `prepare()` of several minutes
-(cpu_adam for optimizer offload, on 2 cores) looks like a hang."""
+"""Around DeepSpeed's OpBuilder.jit_load: say when it compiles one of its C++ ops for the first time (a silent
+`prepare()` of several minutes, cpu_adam for optimizer offload on 2 cores, looks like a hang), and give it the
+environment it needs (libaio's paths, a TORCH_CUDA_ARCH_LIST it can parse)."""
 
 import logging
 import os
 import time
 
 from .. import notices
-from . import builds, libaio
+from . import arch_list, builds, libaio
 
 
 def announce_first_build(wrapped, instance, args, kwargs):
@@ -26,7 +27,8 @@ def announce_first_build(wrapped, instance, args, kwargs):
             level=logging.WARNING,
         )
     started = time.monotonic()
-    result = wrapped(*args, **kwargs)
+    with arch_list.readable_by_deepspeed():  # TORCH_CUDA_ARCH_LIST=9.0a: an error in every build and load
+        result = wrapped(*args, **kwargs)
     if announce:
         notices.say(f"DeepSpeed's {name} op was built in {time.monotonic() - started:.0f} s.", level=logging.WARNING)
     return result

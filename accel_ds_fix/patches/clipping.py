@@ -1,25 +1,65 @@
-"""Accelerator.clip_grad_norm_ with merged models: under DeepSpeed it only reports the norm, and the engine
-clips every step to the config's gradient_clipping. Said once, so a script's max_norm is not silently lost. With
-one engine per optimizer (GAN-style scripts) the norm reported is that of the engine owning the parameters given
-(accelerate would report the first engine's)."""
+"""Gradient clipping under DeepSpeed, said as it really is. The engine clips every step to the config's
+gradient_clipping, and accelerate.clip_grad_norm_ only reports the norm. accelerate fills a config's "auto" (and
+the gradient_clipping its own DeepSpeed settings leave unset) with 1.0, so a script that never clips under plain
+accelerate is clipped at 1.0 here: said once at prepare(). A script's max_norm that is not what the engine uses is
+said once where it is asked for. With one engine per optimizer (GAN-style scripts) the norm reported is that of the
+engine owning the parameters given (accelerate would report the first engine's)."""
 
 import logging
 
 from .. import notices
 from ..lookup import deepspeed_config, merged_engine, merged_engines
 
+_AUTO = "_accel_ds_fix_clipping_as_configured"
+
+
+def record_configured(accelerator, config):
+    """At the first prepare(), before accelerate fills in "auto": what the DeepSpeed config itself says of
+    gradient_clipping."""
+    if not hasattr(accelerator, _AUTO):
+        setattr(accelerator, _AUTO, config.get("gradient_clipping", "auto"))
+
+
+def _in_effect(accelerator):
+    """(the norm the engine clips to, 0 for none; where that value comes from, in words)."""
+    engine = merged_engine(accelerator)
+    value = float(engine.gradient_clipping() or 0) if engine is not None else 0.0
+    configured = getattr(accelerator, _AUTO, deepspeed_config(accelerator).get("gradient_clipping"))
+    if configured == "auto":
+        return value, f'the DeepSpeed config\'s gradient_clipping is "auto", which accelerate fills with {value:g}'
+    if configured is None:
+        return value, f"the DeepSpeed config sets no gradient_clipping; accelerate filled in {value:g}"
+    return value, "the DeepSpeed config's gradient_clipping"
+
+
+def say_at_prepare(accelerator):
+    """Once, when a merged engine clips without the config asking for it."""
+    value, source = _in_effect(accelerator)
+    if value and getattr(accelerator, _AUTO, None) in (None, "auto"):
+        notices.say(
+            f"the DeepSpeed engine clips the gradients' norm to {value:g} at every step ({source}). Without "
+            "DeepSpeed a script clips only where it calls accelerator.clip_grad_norm_(). Set gradient_clipping in "
+            "the DeepSpeed config to choose (0: no clipping).",
+            once_key=("clipping", id(accelerator)),
+        )
+
 
 def clip_grad_norm_(wrapped, instance, args, kwargs):
     if merged_engine(instance) is not None and not getattr(instance, "_accel_ds_fix_clip_said", False):
         instance._accel_ds_fix_clip_said = True
         max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
-        configured = deepspeed_config(instance).get("gradient_clipping")
-        notices.say(
-            "accelerator.clip_grad_norm_() does not clip under DeepSpeed: the engine clips every step to "
-            f"gradient_clipping={configured} from the DeepSpeed config, so max_norm={max_norm} is not applied "
-            "here. Set gradient_clipping in the DeepSpeed config to change it.",
-            level=logging.INFO if max_norm == configured else logging.WARNING,
-        )
+        value, source = _in_effect(instance)
+        if max_norm is not None and value and float(max_norm) == value:
+            notices.say(f"accelerator.clip_grad_norm_() only reports the norm under DeepSpeed: the engine clips "
+                        f"every step to {value:g} ({source}), the max_norm the script gives.")
+        else:
+            clips = f"clips every step to a norm of {value:g}" if value else "does not clip (gradient_clipping 0)"
+            notices.say(
+                f"accelerator.clip_grad_norm_() only reports the norm under DeepSpeed: the engine {clips} ({source}), "
+                f"so max_norm={max_norm} is not applied here. Set gradient_clipping in the DeepSpeed config to "
+                f"{max_norm} to clip as the script asks.",
+                level=logging.WARNING,
+            )
     engines = merged_engines(instance)
     if len(engines) > 1:
         given = args[0] if args else kwargs.get("parameters")
