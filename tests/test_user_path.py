@@ -49,12 +49,15 @@ def test_shipped_yaml_trains_saves_and_resumes_from_another_folder(tmp_path, con
         skip_without_nvme()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    first = launch(config, elsewhere, "--steps", "6", "--save-state", "ckpt", "--save-state-at", "3", "--out", "a.json")
-    resumed = launch(config, elsewhere, "--steps", "3", "--first-step", "3", "--resume", "ckpt", "--out", "b.json")
+    # into a folder whose parents do not exist yet, as scripts save (accelerate makes them)
+    first = launch(config, elsewhere, "--steps", "6", "--save-state", "runs/exp1/ckpt", "--save-state-at", "3", "--out",
+                   "a.json")
+    resumed = launch(config, elsewhere, "--steps", "3", "--first-step", "3", "--resume", "runs/exp1/ckpt", "--out",
+                     "b.json")
     a, b = (json.loads((elsewhere / f).read_text()) for f in ("a.json", "b.json"))
     assert a["fix_active"] and len(a["losses"]) == 6 and a["losses"][-1] != a["losses"][0]
     assert "accel_ds_fix" in first.stderr and "merged 2 models into one DeepSpeed engine" in first.stderr
-    assert (elsewhere / "ckpt" / "accel_ds_fix.json").exists()
+    assert (elsewhere / "runs" / "exp1" / "ckpt" / "accel_ds_fix.json").exists()
     # The resume is exact in every shipped tier, with the example's decaying learning rate, for three steps:
     # under optimizer offload the scheduler's groups stay the engine's (checkpoints/param_groups.py; before, the
     # rate stayed at the save's and the third step parted by 1e-3 relative).

@@ -46,7 +46,8 @@ def restore(engine, directory, tag):
     optimizer = engine.optimizer
     if not getattr(optimizer, "swap_optimizer", False):
         return
-    saved = torch.load(_checkpoint_file(engine, directory, tag), map_location="cpu", weights_only=False)
+    # memory-mapped: only what is copied out (the sub groups kept in RAM) is read into memory, not the whole file
+    saved = torch.load(_checkpoint_file(engine, directory, tag), map_location="cpu", weights_only=False, mmap=True)
     saved = saved["optimizer_state_dict"]
     base = saved["optimizer_state_dict"]
     for group, saved_group in zip(optimizer.optimizer.param_groups, base["param_groups"]):
