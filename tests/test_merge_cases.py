@@ -226,7 +226,12 @@ def test_proxy_behaves_like_the_model(scenario):
     log_lines = [line for line in proc.stderr.splitlines() if line.startswith("LOG accel_ds_fix")]
     assert log_lines == [
         "LOG accel_ds_fix merged 2 models into one DeepSpeed engine (ZeRO stage 2): "
-        "tinyunet (TinyUNet, 552 params, 552 trainable), tinytextencoder (TinyTextEncoder, 816 params, 816 trainable)"
+        "tinyunet (TinyUNet, 552 params, 552 trainable), tinytextencoder (TinyTextEncoder, 816 params, 816 trainable)",
+        # the scenario's DeepSpeedPlugin leaves gradient_clipping to accelerate
+        "LOG accel_ds_fix the DeepSpeed engine clips the gradients' norm to 1 at every step (the DeepSpeed config's "
+        'gradient_clipping is "auto", which accelerate fills with 1). Without DeepSpeed a script clips only where it '
+        "calls accelerator.clip_grad_norm_(). Set gradient_clipping in the DeepSpeed config to choose (0: no "
+        "clipping).",
     ]
 
 
