@@ -144,6 +144,23 @@ def test_zero3_transformers_loads_with_low_cpu_mem_usage_as_diffusers_asks(scena
     assert fixed["partitioned"] is True and fixed["equal"] is True and fixed["count"] > 0
 
 
+@pytest.mark.parametrize("when", ["in the loop", "before prepare"])
+def test_zero3_frozen_model_loaded_but_not_prepared_is_used_whole(scenario, when):
+    # diffusers' Flux scripts under ZeRO-3: their frozen T5, loaded by transformers as shards and never prepared,
+    # stopped at its first use ("'weight' must be 2-D" in the embedding), with or without the fix before.
+    args = ["--used-before-prepare"] if when == "before prepare" else []
+    proc = scenario("zero3_frozen_unprepared", *args)
+    out = result(proc)
+    assert out["loaded_partitioned"] is True  # the premise: from_pretrained gave shards
+    assert out["whole_after_prepare"] is True
+    # the checkpoint's weights, in the dtype the script's .to() asked (the shards are bf16)
+    assert out["t5_dtypes"] == (["torch.float32"] if args else ["torch.bfloat16"])
+    assert set(out["t5_output_diff"]) == ({"before_prepare", "after_training"} if args else {"after_training"})
+    assert all(diff == 0.0 for diff in out["t5_output_diff"].values())
+    assert out["clip_changed"] == out["clip_tensors"]  # the prepared, partitioned CLIP still trains
+    assert "T5EncoderModel was loaded partitioned" in proc.stderr and "gathered whole" in proc.stderr
+
+
 def test_few_cpu_threads_under_offload_are_said(scenario):
     from accel_ds_fix.patches.cpu_threads import cores_per_process
 
