@@ -326,6 +326,36 @@ def zero3_frozen_unprepared(reference):
 
 
 @scenario
+def load_hook_with_deepspeed_branch(reference):
+    # diffusers' train_dreambooth_lora_sd3.py: under DeepSpeed its load hook rebuilds the text encoder from the base
+    # model, without the LoRA adapter the prepared one has, and loads the checkpoint's LoRA weights into that copy.
+    import tempfile
+
+    from accelerate import DistributedType
+    from peft import set_peft_model_state_dict
+    from transformers import CLIPTextModel
+
+    folder = tempfile.mkdtemp()
+    _save_flux_text_encoders(folder)
+    acc = accelerator()
+
+    def load_model_hook(models, input_dir):
+        if acc.distributed_type == DistributedType.DEEPSPEED:
+            rebuilt = CLIPTextModel.from_pretrained(f"{folder}/clip")
+            set_peft_model_state_dict(rebuilt, {}, adapter_name="default")
+
+    acc.register_load_state_pre_hook(load_model_hook)
+    unet, te, opt = models_and_optimizer()
+    unet, te, opt, dl = acc.prepare(unet, te, opt, data())
+    train(acc, lambda ids, lat: unet(lat, te(ids)), opt, dl, (unet, te))
+    acc.save_state(f"{folder}/checkpoint")
+    saved = [p.detach().clone() for p in [*unet.parameters(), *te.parameters()]]
+    train(acc, lambda ids, lat: unet(lat, te(ids)), opt, dl, (unet, te))
+    acc.load_state(f"{folder}/checkpoint")
+    return {"restored": all(torch.equal(p, s) for p, s in zip([*unet.parameters(), *te.parameters()], saved))}
+
+
+@scenario
 def bnb_8bit_with_offload(reference):
     # bitsandbytes' AdamW8bit under optimizer offload: refused by default (accelerate would swap it for
     # DeepSpeedCPUAdam); with "zero_force_ds_cpu_optimizer": false DeepSpeed steps it on the CPU copy.

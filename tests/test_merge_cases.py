@@ -161,6 +161,19 @@ def test_zero3_frozen_model_loaded_but_not_prepared_is_used_whole(scenario, when
     assert "T5EncoderModel was loaded partitioned" in proc.stderr and "gathered whole" in proc.stderr
 
 
+def test_load_hook_failing_in_its_deepspeed_branch_is_explained_and_can_be_skipped(scenario):
+    # diffusers' train_dreambooth_lora_sd3.py --train_text_encoder never resumed under DeepSpeed: its load hook's
+    # DeepSpeed branch rebuilds the text encoders without their LoRA adapters ('no attribute peft_config').
+    stderr = refused(scenario, "load_hook_with_deepspeed_branch")
+    assert "object has no attribute 'peft_config'" in stderr
+    assert "accel_ds_fix: this error is in the script's load_state pre-hook load_model_hook" in stderr
+    assert "ACCEL_DS_FIX_LOAD_HOOKS=skip" in stderr
+    proc = run([sys.executable, SCENARIOS, "load_hook_with_deepspeed_branch"],
+               env=clean_env(ACCEL_DS_FIX_LOAD_HOOKS="skip"))
+    assert result(proc) == {"restored": True}  # DeepSpeed's checkpoint brought every weight back
+    assert "1 load hook(s) of the script not run (ACCEL_DS_FIX_LOAD_HOOKS=skip)" in proc.stderr
+
+
 def test_few_cpu_threads_under_offload_are_said(scenario):
     from accel_ds_fix.patches.cpu_threads import cores_per_process
 

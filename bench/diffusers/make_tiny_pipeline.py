@@ -1,7 +1,8 @@
 """A tiny random Flux or SD3 pipeline folder for diffusers' examples/dreambooth scripts, offline: the transformer
-(Flux: 1 double and 1 single block; SD3: 1 block), CLIP text encoder(s) (2 layers), T5EncoderModel (2 layers),
-AutoencoderKL (one block), FlowMatchEulerDiscreteScheduler, a byte-level CLIP tokenizer and a T5 tokenizer built from
-a small vocabulary (none from the hub), and N random images in OUT/instance.
+(Flux: 1 double and 1 single block; SD3: 1 block), CLIP text encoder(s) (Flux: 2 layers 32 wide; SD3: 1 layer
+768 wide and 1 layer 1280 wide), T5EncoderModel (2 layers), AutoencoderKL (one block), FlowMatchEulerDiscreteScheduler,
+a byte-level CLIP tokenizer and a T5 tokenizer built from a small vocabulary (none from the hub), and N random
+images in OUT/instance.
 
 python make_tiny_pipeline.py {flux,sd3} OUT [--images N] [--resolution 32]
 """
@@ -45,8 +46,8 @@ pieces += [("▁" + w, -1.0) for w in ("a", "photo", "of", "sks", "dog", "in", "
 t5_tokenizer = T5TokenizerFast(vocab=pieces, extra_ids=0)
 
 
-def clip(cls):
-    return cls(CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+def clip(cls, hidden=32, layers=2):
+    return cls(CLIPTextConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=37, num_hidden_layers=layers,
                               num_attention_heads=4, max_position_embeddings=77, projection_dim=32,
                               bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"],
                               pad_token_id=vocab["<|endoftext|>"], hidden_act="gelu"))
@@ -76,8 +77,10 @@ if a.kind == "flux":
 else:
     from transformers import CLIPTextModelWithProjection
 
-    models = {"text_encoder": clip(CLIPTextModelWithProjection), "text_encoder_2": clip(CLIPTextModelWithProjection),
-              "text_encoder_3": t5()}
+    # CLIP-L's and CLIP-G's widths, one layer each: train_dreambooth_lora_sd3.py's save hook tells its two text
+    # encoders apart by hidden_size 768 / 1280 (and saves neither's LoRA otherwise)
+    models = {"text_encoder": clip(CLIPTextModelWithProjection, 768, 1),
+              "text_encoder_2": clip(CLIPTextModelWithProjection, 1280, 1), "text_encoder_3": t5()}
     models["transformer"] = diffusers.SD3Transformer2DModel(
         sample_size=a.resolution, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
         num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=32, pooled_projection_dim=64,
