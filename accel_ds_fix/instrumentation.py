@@ -10,7 +10,8 @@ import threading
 
 import wrapt
 
-# module -> {attribute path inside it ("function" or "Class.method"): "wrapper module (in this package).wrapper name"}
+# module -> {attribute path inside it ("function" or "Class.method"): "wrapper module (in this package).wrapper name",
+# or a tuple of them, innermost first}
 PATCHES = {
     "accelerate.accelerator": {
         "Accelerator.prepare": "merge.prepare.prepare",
@@ -31,9 +32,11 @@ PATCHES = {
     "accelerate.utils.dataclasses": {
         "DeepSpeedPlugin.__post_init__": "patches.launch_config.check_config_file",
     },
-    # ZeRO-3: transformers < 4.51 refuses low_cpu_mem_usage=True, which diffusers' loaders pass
+    # ZeRO-3: transformers < 4.51 refuses low_cpu_mem_usage=True, which diffusers' loaders pass; a model loaded
+    # partitioned and used without prepare() (Flux's frozen T5) is made whole
     "transformers.modeling_utils": {
-        "PreTrainedModel.from_pretrained": "patches.zero3_loading.drop_low_cpu_mem_usage",
+        "PreTrainedModel.from_pretrained": ("patches.zero3_loading.drop_low_cpu_mem_usage",
+                                            "patches.zero3_unprepared.watch_loaded"),
     },
     # CPU: the shared-memory segment each process makes in /dev/shm, unlinked once every rank has opened it
     "deepspeed.comm.torch": {
@@ -124,11 +127,12 @@ def _apply(module):
         from . import versions
 
         versions.warn_if_untested()
-    for path, wrapper in PATCHES[target].items():
+    for path, wrappers in PATCHES[target].items():
         if not _exists(module, path):
             continue  # another release may lack it (accelerate < 0.17 has no save hooks, say): nothing to wrap
         owner, attribute, original = wrapt.resolve_path(module, path)
         _originals[(target, path)] = (owner, attribute, original)
-        wrapper_module, wrapper_name = wrapper.rsplit(".", 1)
-        function = getattr(importlib.import_module(f"{__package__}.{wrapper_module}"), wrapper_name)
-        wrapt.wrap_function_wrapper(module, path, function)
+        for wrapper in (wrappers,) if isinstance(wrappers, str) else wrappers:
+            wrapper_module, wrapper_name = wrapper.rsplit(".", 1)
+            function = getattr(importlib.import_module(f"{__package__}.{wrapper_module}"), wrapper_name)
+            wrapt.wrap_function_wrapper(module, path, function)

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DeepSpeedPlugin, set_seed  # noqa: E402
-from train_two_models import LATENT, TOKENS, VOCAB, TinyTextEncoder, TinyUNet, single_process_env  # noqa: E402
+from train_two_models import LATENT, TOKENS, VOCAB, WIDTH, TinyTextEncoder, TinyUNet, single_process_env  # noqa: E402
 
 import accel_ds_fix  # noqa: E402,F401
 
@@ -258,6 +258,101 @@ def zero3_low_cpu_mem_usage(reference):
     with deepspeed.zero.GatheredParameters(list(params.values())):
         equal = all(torch.equal(p.data, saved.get_parameter(name).data) for name, p in params.items())
     return {"partitioned": all(hasattr(p, "ds_id") for p in params.values()), "equal": equal, "count": len(params)}
+
+
+def _save_flux_text_encoders(folder):
+    """A tiny CLIP and T5 saved whole, as a pipeline folder holds them."""
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    set_seed(0)
+    CLIPTextModel(CLIPTextConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, max_position_embeddings=TOKENS, projection_dim=WIDTH,
+                                 eos_token_id=VOCAB - 1)).save_pretrained(f"{folder}/clip")
+    t5 = T5EncoderModel(T5Config(vocab_size=VOCAB, d_model=WIDTH, d_kv=8, d_ff=24, num_layers=1, num_heads=2,
+                                 relative_attention_num_buckets=8))
+    t5.save_pretrained(f"{folder}/t5")
+    return t5.eval()  # as from_pretrained returns it (no dropout)
+
+
+@scenario
+def zero3_frozen_unprepared(reference):
+    # diffusers' Flux scripts: CLIP and T5 come from from_pretrained, which under accelerate's ZeRO-3 config builds
+    # them as shards; CLIP is trained (prepared beside the transformer), T5 is frozen and never prepared. It encodes
+    # the prompts in the loop (--train_text_encoder), or with --used-before-prepare once before prepare(), in the
+    # dtype the script's .to() asks (fp32 here, the shards being bf16).
+    import tempfile
+
+    import deepspeed
+    from transformers import CLIPTextModel, T5EncoderModel
+
+    before = "--used-before-prepare" in sys.argv
+    folder = tempfile.mkdtemp()
+    plain_t5 = _save_flux_text_encoders(folder)
+    dtype = torch.float32 if before else torch.bfloat16
+    ids = torch.randint(0, VOCAB, (2, TOKENS), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():  # the loaded weights are the checkpoint's in bf16 (the config's), then in `dtype`
+        expected = plain_t5.to(torch.bfloat16).to(dtype)(ids)[0]
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}
+    acc = accelerator(config=config, mixed_precision="bf16")
+    t5 = T5EncoderModel.from_pretrained(f"{folder}/t5").requires_grad_(False).to(dtype=dtype)
+    clip = CLIPTextModel.from_pretrained(f"{folder}/clip")
+    loaded_partitioned = all(hasattr(p, "ds_id") for p in [*t5.parameters(), *clip.parameters()])
+    with deepspeed.zero.GatheredParameters(list(clip.parameters())):
+        clip_at_start = {n: p.detach().clone() for n, p in clip.named_parameters()}
+    outputs = {}
+    if before:
+        with torch.no_grad():
+            outputs["before_prepare"] = t5(ids)[0]
+    unet = TinyUNet()
+    opt = torch.optim.AdamW([*unet.parameters(), *clip.parameters()], lr=1e-2)
+    unet, clip, opt, dl = acc.prepare(unet, clip, opt, data())
+    whole_after_prepare = not any(hasattr(p, "ds_id") for p in t5.parameters())
+
+    def step(ids, latents):
+        with torch.no_grad():
+            prompt_embeds = t5(ids)[0]
+        return unet(latents, clip(ids)[0] + prompt_embeds.to(torch.bfloat16))
+
+    losses = train(acc, step, opt, dl, (unet, clip))
+    with torch.no_grad():
+        outputs["after_training"] = t5(ids)[0]
+    with deepspeed.zero.GatheredParameters(list(clip.parameters())):
+        clip_changed = sum(not torch.equal(p, clip_at_start[n]) for n, p in acc.unwrap_model(clip).named_parameters())
+    return {"losses": losses, "loaded_partitioned": loaded_partitioned, "whole_after_prepare": whole_after_prepare,
+            "t5_dtypes": sorted({str(p.dtype) for p in t5.parameters()}),
+            "t5_output_diff": {k: (v - expected).abs().max().item() for k, v in outputs.items()},
+            "clip_changed": clip_changed, "clip_tensors": len(clip_at_start)}
+
+
+@scenario
+def load_hook_with_deepspeed_branch(reference):
+    # diffusers' train_dreambooth_lora_sd3.py: under DeepSpeed its load hook rebuilds the text encoder from the base
+    # model, without the LoRA adapter the prepared one has, and loads the checkpoint's LoRA weights into that copy.
+    import tempfile
+
+    from accelerate import DistributedType
+    from peft import set_peft_model_state_dict
+    from transformers import CLIPTextModel
+
+    folder = tempfile.mkdtemp()
+    _save_flux_text_encoders(folder)
+    acc = accelerator()
+
+    def load_model_hook(models, input_dir):
+        if acc.distributed_type == DistributedType.DEEPSPEED:
+            rebuilt = CLIPTextModel.from_pretrained(f"{folder}/clip")
+            set_peft_model_state_dict(rebuilt, {}, adapter_name="default")
+
+    acc.register_load_state_pre_hook(load_model_hook)
+    unet, te, opt = models_and_optimizer()
+    unet, te, opt, dl = acc.prepare(unet, te, opt, data())
+    train(acc, lambda ids, lat: unet(lat, te(ids)), opt, dl, (unet, te))
+    acc.save_state(f"{folder}/checkpoint")
+    saved = [p.detach().clone() for p in [*unet.parameters(), *te.parameters()]]
+    train(acc, lambda ids, lat: unet(lat, te(ids)), opt, dl, (unet, te))
+    acc.load_state(f"{folder}/checkpoint")
+    return {"restored": all(torch.equal(p, s) for p, s in zip([*unet.parameters(), *te.parameters()], saved))}
 
 
 @scenario

@@ -144,6 +144,36 @@ def test_zero3_transformers_loads_with_low_cpu_mem_usage_as_diffusers_asks(scena
     assert fixed["partitioned"] is True and fixed["equal"] is True and fixed["count"] > 0
 
 
+@pytest.mark.parametrize("when", ["in the loop", "before prepare"])
+def test_zero3_frozen_model_loaded_but_not_prepared_is_used_whole(scenario, when):
+    # diffusers' Flux scripts under ZeRO-3: their frozen T5, loaded by transformers as shards and never prepared,
+    # stopped at its first use ("'weight' must be 2-D" in the embedding), with or without the fix before.
+    args = ["--used-before-prepare"] if when == "before prepare" else []
+    proc = scenario("zero3_frozen_unprepared", *args)
+    out = result(proc)
+    assert out["loaded_partitioned"] is True  # the premise: from_pretrained gave shards
+    assert out["whole_after_prepare"] is True
+    # the checkpoint's weights, in the dtype the script's .to() asked (the shards are bf16)
+    assert out["t5_dtypes"] == (["torch.float32"] if args else ["torch.bfloat16"])
+    assert set(out["t5_output_diff"]) == ({"before_prepare", "after_training"} if args else {"after_training"})
+    assert all(diff == 0.0 for diff in out["t5_output_diff"].values())
+    assert out["clip_changed"] == out["clip_tensors"]  # the prepared, partitioned CLIP still trains
+    assert "T5EncoderModel was loaded partitioned" in proc.stderr and "gathered whole" in proc.stderr
+
+
+def test_load_hook_failing_in_its_deepspeed_branch_is_explained_and_can_be_skipped(scenario):
+    # diffusers' train_dreambooth_lora_sd3.py --train_text_encoder never resumed under DeepSpeed: its load hook's
+    # DeepSpeed branch rebuilds the text encoders without their LoRA adapters ('no attribute peft_config').
+    stderr = refused(scenario, "load_hook_with_deepspeed_branch")
+    assert "object has no attribute 'peft_config'" in stderr
+    assert "accel_ds_fix: this error is in the script's load_state pre-hook load_model_hook" in stderr
+    assert "ACCEL_DS_FIX_LOAD_HOOKS=skip" in stderr
+    proc = run([sys.executable, SCENARIOS, "load_hook_with_deepspeed_branch"],
+               env=clean_env(ACCEL_DS_FIX_LOAD_HOOKS="skip"))
+    assert result(proc) == {"restored": True}  # DeepSpeed's checkpoint brought every weight back
+    assert "1 load hook(s) of the script not run (ACCEL_DS_FIX_LOAD_HOOKS=skip)" in proc.stderr
+
+
 def test_few_cpu_threads_under_offload_are_said(scenario):
     from accel_ds_fix.patches.cpu_threads import cores_per_process
 

@@ -22,7 +22,7 @@ from ..gather import copied_by_hook, shards
 from ..lookup import merged_engines
 from ..merge import trainability
 from ..merge.proxy import unwrap
-from . import crash_safe, layout_change, manifest, nvme_resume, param_groups
+from . import crash_safe, layout_change, load_hooks, manifest, nvme_resume, param_groups
 from .engine_views import merged_view
 
 
@@ -233,8 +233,7 @@ def load_state(wrapped, instance, args, kwargs):
     if hooks:
         models = [proxy for engine in engines for proxy in engine._accel_ds_fix_proxies.values()]
         with _models_built_whole():
-            for hook in hooks:
-                hook(models, directory)
+            load_hooks.run(hooks, models, directory)
     # several engines reach here only in the layout that saved them (refused above otherwise): nothing converted
     with layout_change.resumed(instance, engines[0], directory, tags[0], saved_layout) as converted:
         with _hooks_replaced(instance, "_load_model_state_pre_hook", lambda hook: _already_called):

@@ -1,0 +1,53 @@
+"""The script's load_state pre-hooks under merged models: run, explained where they fail, or skipped on request.
+
+With merged models the hooks get the models themselves, as without DeepSpeed, and DeepSpeed's checkpoint then
+restores every weight of those models (save_load.load_state), over whatever the hooks loaded. Scripts written for
+plain DeepSpeed, where accelerate hands the hooks the engine, may branch on `accelerator.distributed_type ==
+DistributedType.DEEPSPEED` and rebuild the models themselves: diffusers' train_dreambooth_lora_sd3.py (v0.40.0)
+rebuilds its text encoders from the base model without their LoRA adapters, loads the checkpoint's LoRA weights
+into these copies and drops them; with --train_text_encoder it stops there ("'CLIPTextModelWithProjection' object
+has no attribute 'peft_config'"), with or without this package, so a DeepSpeed run of it never resumed. The error
+is explained where it happens; ACCEL_DS_FIX_LOAD_HOOKS=skip resumes without the hooks, for hooks that only load
+model weights.
+"""
+
+import logging
+import os
+
+from .. import notices
+
+SKIP_VARIABLE = "ACCEL_DS_FIX_LOAD_HOOKS"
+
+
+def run(hooks, models, directory):
+    """Run each load hook as accelerate would, with the models and the checkpoint folder."""
+    if hooks and os.environ.get(SKIP_VARIABLE) == "skip":
+        notices.say(f"load_state: {len(hooks)} load hook(s) of the script not run ({SKIP_VARIABLE}=skip): "
+                    "DeepSpeed's checkpoint restores every weight of the prepared models", level=logging.WARNING,
+                    once_key="load_hooks_skipped")
+        return
+    for hook in hooks:
+        try:
+            hook(models, directory)
+        except Exception as error:
+            _explain(error, hook)
+            raise
+
+
+def _explain(error, hook):
+    code = getattr(hook, "__code__", None)
+    where = f" ({code.co_filename}:{code.co_firstlineno})" if code else ""
+    note = (
+        f"accel_ds_fix: this error is in the script's load_state pre-hook {getattr(hook, '__name__', hook)}{where}. "
+        "With merged models the hook gets the models themselves, as without DeepSpeed, and DeepSpeed's checkpoint "
+        "restores every weight of them afterwards, over what the hook loads. A hook that branches on "
+        "`accelerator.distributed_type == DistributedType.DEEPSPEED` still takes its DeepSpeed branch: diffusers' "
+        "train_dreambooth_lora_sd3.py rebuilds its models there from the base model, the text encoders without "
+        "their LoRA adapters ('no attribute peft_config'), to load the LoRA weights into copies it then drops. "
+        f"If the hook only loads model weights, set {SKIP_VARIABLE}=skip to resume without it; a hook that restores "
+        "anything else (an EMA model, a step counter) must be mended in the script."
+    )
+    if hasattr(error, "add_note"):  # Python >= 3.11: printed under the error itself
+        error.add_note(note)
+    else:
+        notices.say(note, level=logging.ERROR)

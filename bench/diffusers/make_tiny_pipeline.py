@@ -1,0 +1,100 @@
+"""A tiny random Flux or SD3 pipeline folder for diffusers' examples/dreambooth scripts, offline: the transformer
+(Flux: 1 double and 1 single block; SD3: 1 block), CLIP text encoder(s) (Flux: 2 layers 32 wide; SD3: 1 layer
+768 wide and 1 layer 1280 wide), T5EncoderModel (2 layers), AutoencoderKL (one block), FlowMatchEulerDiscreteScheduler,
+a byte-level CLIP tokenizer and a T5 tokenizer built from a small vocabulary (none from the hub), and N random
+images in OUT/instance.
+
+python make_tiny_pipeline.py {flux,sd3} OUT [--images N] [--resolution 32]
+"""
+import argparse
+import json
+import os
+import string
+
+import numpy as np
+import torch
+from PIL import Image
+
+p = argparse.ArgumentParser()
+p.add_argument("kind", choices=["flux", "sd3"])
+p.add_argument("out")
+p.add_argument("--images", type=int, default=4)
+p.add_argument("--resolution", type=int, default=32)
+a = p.parse_args()
+torch.manual_seed(0)
+os.makedirs(a.out, exist_ok=True)
+
+import diffusers  # noqa: E402
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler  # noqa: E402
+from transformers import CLIPTextConfig, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast  # noqa: E402
+from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: E402
+
+# CLIP: every byte, alone and word-final, no merges (random weights need no real vocabulary)
+tok_dir = os.path.join(a.out, "tok_src")
+os.makedirs(tok_dir, exist_ok=True)
+chars = list(bytes_to_unicode().values())
+vocab = {t: i for i, t in enumerate(chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"])}
+json.dump(vocab, open(os.path.join(tok_dir, "vocab.json"), "w"))
+open(os.path.join(tok_dir, "merges.txt"), "w").write("#version: 0.2\n")
+clip_tokenizer = CLIPTokenizer(os.path.join(tok_dir, "vocab.json"), os.path.join(tok_dir, "merges.txt"),
+                               pad_token="<|endoftext|>", model_max_length=77)
+
+# T5: a unigram vocabulary of single characters and a few words
+pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+pieces += [(c, -3.0) for c in string.ascii_letters + string.digits + string.punctuation]
+pieces += [("▁" + w, -1.0) for w in ("a", "photo", "of", "sks", "dog", "in", "the", "bucket")]
+t5_tokenizer = T5TokenizerFast(vocab=pieces, extra_ids=0)
+
+
+def clip(cls, hidden=32, layers=2):
+    return cls(CLIPTextConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=37, num_hidden_layers=layers,
+                              num_attention_heads=4, max_position_embeddings=77, projection_dim=32,
+                              bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"],
+                              pad_token_id=vocab["<|endoftext|>"], hidden_act="gelu"))
+
+
+def t5():
+    return T5EncoderModel(T5Config(vocab_size=len(pieces), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+                                   relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1))
+
+
+def vae(latent_channels):
+    return AutoencoderKL(sample_size=a.resolution, in_channels=3, out_channels=3, block_out_channels=(4,),
+                         layers_per_block=1, latent_channels=latent_channels, norm_num_groups=1, use_quant_conv=False,
+                         use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035)
+
+
+if a.kind == "flux":
+    from transformers import CLIPTextModel
+
+    models = {"text_encoder": clip(CLIPTextModel), "text_encoder_2": t5()}
+    models["transformer"] = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
+    models["vae"] = vae(1)
+    pipe = diffusers.FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), tokenizer=clip_tokenizer,
+                                  tokenizer_2=t5_tokenizer, **models)
+else:
+    from transformers import CLIPTextModelWithProjection
+
+    # CLIP-L's and CLIP-G's widths, one layer each: train_dreambooth_lora_sd3.py's save hook tells its two text
+    # encoders apart by hidden_size 768 / 1280 (and saves neither's LoRA otherwise)
+    models = {"text_encoder": clip(CLIPTextModelWithProjection, 768, 1),
+              "text_encoder_2": clip(CLIPTextModelWithProjection, 1280, 1), "text_encoder_3": t5()}
+    models["transformer"] = diffusers.SD3Transformer2DModel(
+        sample_size=a.resolution, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
+        num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=32, pooled_projection_dim=64,
+        out_channels=4)
+    models["vae"] = vae(4)
+    pipe = diffusers.StableDiffusion3Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), tokenizer=clip_tokenizer,
+                                              tokenizer_2=clip_tokenizer, tokenizer_3=t5_tokenizer, **models)
+pipe.save_pretrained(os.path.join(a.out, "model"), safe_serialization=True)
+
+data = os.path.join(a.out, "instance")
+os.makedirs(data, exist_ok=True)
+rng = np.random.default_rng(0)
+for i in range(a.images):
+    image = rng.integers(0, 256, (a.resolution, a.resolution, 3), dtype=np.uint8)
+    Image.fromarray(image).save(os.path.join(data, f"{i}.png"))
+sizes = {name: sum(t.numel() for t in m.parameters()) for name, m in models.items()}
+print(f"{a.kind} pipeline in {a.out}/model: {sizes}; {a.images} images in {data}")
