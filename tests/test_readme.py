@@ -62,6 +62,8 @@ CLASSIFIED = [
     (r"python -m accel_ds_fix plan --model ", "needs a model folder of the user's (`plan --model` is tested on a "
                                               "folder of the test's own in test_memory.py)"),
     (r"python -m accel_ds_fix plan .*--nvme-path ", "test_nvme_commands_run_as_written"),
+    (r"mkdir -p /var/tmp/accel_ds_fix_nvme$", "test_nvme_commands_run_as_written"),
+    (r"python -m accel_ds_fix clean-swap ", "test_nvme_commands_run_as_written"),
     (r"python -m accel_ds_fix plan ", "test_every_plan_command_runs_as_written"),
     (r"python -m accel_ds_fix get-libaio$", "test_nvme_commands_run_as_written"),
     (r"python -m accel_ds_fix convert-checkpoint ", "needs a checkpoint a training saved (test_resume_across_layouts.py "
@@ -222,12 +224,14 @@ def test_startup_bench_runs():
 
 
 def test_nvme_commands_run_as_written(tmp_path):
-    # The plan that measures the NVMe folder (made if missing, removed again here) and predicts 1600 steps.
+    # The plan that measures the NVMe folder (made by the mkdir before it, removed again here) and predicts 1600 steps.
     plans = run_by("test_nvme_commands_run_as_written")
     for plan in (c for c in plans if "--nvme-path" in c):
         folder = Path(plan.split("--nvme-path")[1].split()[0])
         existed = folder.exists()
         try:
+            for make in (c for c in plans if c == f"mkdir -p {folder}"):
+                shell(make, tmp_path)
             out = shell(plan, tmp_path).stdout
         finally:
             if not existed:
@@ -236,6 +240,16 @@ def test_nvme_commands_run_as_written(tmp_path):
             assert "NVMe folder not measured: zero3-nvme cannot run here" in out
         else:
             assert f"NVMe folder {folder}: its disk reads " in out and "hours for 1600 steps" in out
+    # clean-swap on the shipped folder: only what dead runs left goes (nothing here, or a killed test run's files)
+    for clean in (c for c in plans if c.startswith("python -m accel_ds_fix clean-swap")):
+        folder = Path(clean.split()[-1])
+        made = not folder.exists()
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            assert f"of NVMe swap files that dead runs left in {folder}" in shell(clean, tmp_path).stdout
+        finally:
+            if made:
+                shutil.rmtree(folder, ignore_errors=True)
     # get-libaio, into a cache folder of this test's own (it writes to the user's cache as written).
     fetch = next(c for c in plans if c.startswith("python -m accel_ds_fix get-libaio"))
     env = clean_env(XDG_CACHE_HOME=str(tmp_path))
