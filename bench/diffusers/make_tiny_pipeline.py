@@ -7,8 +7,8 @@ images in OUT/instance.
 python make_tiny_pipeline.py {flux,sd3} OUT [--images N] [--resolution 32]
 """
 import argparse
-import json
 import os
+import sys
 import string
 
 import numpy as np
@@ -26,18 +26,13 @@ os.makedirs(a.out, exist_ok=True)
 
 import diffusers  # noqa: E402
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler  # noqa: E402
-from transformers import CLIPTextConfig, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast  # noqa: E402
-from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: E402
+from transformers import CLIPTextConfig, T5Config, T5EncoderModel, T5TokenizerFast  # noqa: E402
 
-# CLIP: every byte, alone and word-final, no merges (random weights need no real vocabulary)
-tok_dir = os.path.join(a.out, "tok_src")
-os.makedirs(tok_dir, exist_ok=True)
-chars = list(bytes_to_unicode().values())
-vocab = {t: i for i, t in enumerate(chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"])}
-json.dump(vocab, open(os.path.join(tok_dir, "vocab.json"), "w"))
-open(os.path.join(tok_dir, "merges.txt"), "w").write("#version: 0.2\n")
-clip_tokenizer = CLIPTokenizer(os.path.join(tok_dir, "vocab.json"), os.path.join(tok_dir, "merges.txt"),
-                               pad_token="<|endoftext|>", model_max_length=77)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import tiny_tokenizers  # noqa: E402
+
+clip_tokenizer = tiny_tokenizers.clip_tokenizer(os.path.join(a.out, "tok_src"))
+vocab = clip_tokenizer.get_vocab()
 
 # T5: a unigram vocabulary of single characters and a few words
 pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]

@@ -5,8 +5,8 @@ the January 2023 scripts' relative "openai/clip-vit-large-patch14" folder), and 
 python make_inputs.py OUT [--tiny [--unet-channels 32,64,64,64]] [--images N]
 """
 import argparse
-import json
 import os
+import sys
 
 import numpy as np
 import torch
@@ -26,18 +26,12 @@ torch.manual_seed(0)
 os.makedirs(a.out, exist_ok=True)
 
 from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel  # noqa: E402
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer  # noqa: E402
-from transformers.models.clip.tokenization_clip import bytes_to_unicode  # noqa: E402
+from transformers import CLIPTextConfig, CLIPTextModel  # noqa: E402
 
-# tokenizer: every byte, alone and word-final, no merges (random weights need no real vocabulary)
-tok_dir = os.path.join(a.out, "tok_src")
-os.makedirs(tok_dir, exist_ok=True)
-chars = list(bytes_to_unicode().values())
-vocab = {t: i for i, t in enumerate(chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"])}
-json.dump(vocab, open(os.path.join(tok_dir, "vocab.json"), "w"))
-open(os.path.join(tok_dir, "merges.txt"), "w").write("#version: 0.2\n")
-tokenizer = CLIPTokenizer(os.path.join(tok_dir, "vocab.json"), os.path.join(tok_dir, "merges.txt"),
-                          pad_token="<|endoftext|>", model_max_length=77)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import tiny_tokenizers  # noqa: E402
+
+tokenizer = tiny_tokenizers.clip_tokenizer(os.path.join(a.out, "tok_src"))
 for where in ("tokenizer_cache/openai_clip-vit-large-patch14", "openai/clip-vit-large-patch14"):
     tokenizer.save_pretrained(os.path.join(a.out, where))
 
