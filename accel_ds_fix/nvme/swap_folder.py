@@ -95,16 +95,13 @@ def claim(folder, rank):
     if key in _held:
         return
     os.makedirs(folder, exist_ok=True)
-    f = open(_lock_path(folder, rank), "a+", encoding="utf-8")  # kept open: the lock lives as long as the file
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        try:
-            info = json.load(f)
-        except ValueError:
-            info = {}
-        f.close()
+    f = _open_locked(_lock_path(folder, rank))
+    if f.closed:  # another live process holds it
+        with open(_lock_path(folder, rank), encoding="utf-8") as held:
+            try:
+                info = json.load(held)
+            except ValueError:
+                info = {}
         raise ConfigError(
             f"accel_ds_fix: the NVMe folder {folder} is in use by another run ({_describe(info)}): two runs swapping "
             "into one folder overwrite each other's optimizer states. Give this run another nvme_path (the "
@@ -153,10 +150,39 @@ def clean(folder):
     return freed, live
 
 
+def _open_locked(path):
+    """The lock file at ``path``, open and locked by this process; closed where a live process holds it. A file that
+    its holder removed as it exited (between our open and our lock) is not the one there now: open that one."""
+    while True:
+        f = open(path, "a+", encoding="utf-8")  # kept open: the lock lives as long as the file
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            return f
+        if _same_file(f, path):
+            return f
+        f.close()
+
+
+def _same_file(f, path):
+    try:
+        return os.fstat(f.fileno()).st_ino == os.stat(path).st_ino
+    except OSError:
+        return False
+
+
 def _remove_own(folder, rank):
-    # a clean exit: this process's swap files are never read again (a checkpoint holds its own copy)
-    if (os.path.realpath(folder), rank) in _held:
+    # At exit: this process's swap files are never read again (a checkpoint holds its own copy), nor is its lock
+    # file; it goes while still locked, and a run that locked it meanwhile sees it gone and takes a new one.
+    f = _held.pop((os.path.realpath(folder), rank), None)
+    if f is not None:
         remove(folder, rank)
+        try:
+            os.unlink(_lock_path(folder, rank))
+        except OSError:
+            pass
+        f.close()
 
 
 def _gib(nbytes):
