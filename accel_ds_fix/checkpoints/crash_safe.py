@@ -229,6 +229,7 @@ def _estimate(target):
 
 
 def _room_check(target):
+    """(free bytes, bytes the save needs or None) of the target's disk; CheckpointError where it cannot fit."""
     needed = _estimate(target)
     free = shutil.disk_usage(os.path.dirname(os.path.abspath(target))).free
     if needed is not None and needed > free:
@@ -237,7 +238,7 @@ def _room_check(target):
             f"and the disk has {_gib(free)} free. The previous checkpoint stays until the new one is whole, so "
             "both must fit; nothing was written. Free some space or save elsewhere."
         )
-    return free
+    return free, needed
 
 
 def _kept(target, partial):
@@ -302,12 +303,12 @@ def save(accelerator, target, save_into, write_manifest, size_estimate=None):
     checkpoint tells."""
     partial = _beside(target, PARTIAL)
     main = accelerator.is_main_process
-    free, placed = None, False
+    free, needed, placed = None, None, False
     if main:
         os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)  # as accelerate's save_state does
         recover(target)
         _clear_partial(target)
-        free = _room_check(target)
+        free, needed = _room_check(target)
     accelerator.wait_for_everyone()
     try:
         os.makedirs(partial, exist_ok=True)
@@ -340,7 +341,7 @@ def save(accelerator, target, save_into, write_manifest, size_estimate=None):
             raise
         free_now = shutil.disk_usage(os.path.dirname(os.path.abspath(target))).free
         written = _size(partial) if os.path.isdir(partial) else 0
-        needed = _estimate(target) or (size_estimate() if size_estimate else None)
+        needed = needed or (size_estimate() if size_estimate else None)  # sized once, before the save
         if not _ran_out_of_space(exc, free_now, written, needed):
             _discard(main, partial)
             raise
@@ -358,8 +359,7 @@ def save(accelerator, target, save_into, write_manifest, size_estimate=None):
 def _ran_out_of_space(exc, free_now, written, needed):
     """Whether a failed save failed for want of disk space. Python's writes say ENOSPC; torch.save's C++ writer
     says only "unexpected pos N vs M", "file write failed" or "iostream error" (a short write, errno lost): then the
-    free space
-    tells, now that the failed write has filled the disk."""
+    free space tells, now that the failed write has filled the disk."""
     if _disk_full(exc):
         return True
     text = " ".join(str(e) for e in _chain(exc))

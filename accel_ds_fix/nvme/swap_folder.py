@@ -73,6 +73,11 @@ def holder(folder, rank):
     if fd is not None:
         os.close(fd)
         return None
+    return _lock_info(folder, rank)
+
+
+def _lock_info(folder, rank):
+    """What a live holder wrote into ``rank``'s lock file of ``folder`` (pid, start, command); {} where unreadable."""
     try:
         with open(_lock_path(folder, rank), encoding="utf-8") as f:
             return json.load(f)
@@ -97,16 +102,11 @@ def claim(folder, rank):
     os.makedirs(folder, exist_ok=True)
     f = _open_locked(_lock_path(folder, rank))
     if f.closed:  # another live process holds it
-        with open(_lock_path(folder, rank), encoding="utf-8") as held:
-            try:
-                info = json.load(held)
-            except ValueError:
-                info = {}
         raise ConfigError(
-            f"accel_ds_fix: the NVMe folder {folder} is in use by another run ({_describe(info)}): two runs swapping "
-            "into one folder overwrite each other's optimizer states. Give this run another nvme_path (the "
-            "DeepSpeed config's offload_optimizer.nvme_path, or accelerate's offload_optimizer_nvme_path), or wait "
-            "for that run to end. Nothing was allocated."
+            f"accel_ds_fix: the NVMe folder {folder} is in use by another run ({_describe(_lock_info(folder, rank))}): "
+            "two runs swapping into one folder overwrite each other's optimizer states. Give this run another "
+            "nvme_path (the DeepSpeed config's offload_optimizer.nvme_path, or accelerate's "
+            "offload_optimizer_nvme_path), or wait for that run to end. Nothing was allocated."
         ) from None
     f.seek(0)
     f.truncate()
