@@ -1,10 +1,12 @@
 """Host memory of a zero3-nvme resume against the training's own: the shipped tier, two MLPs (bench/nvme_step.py's
---mlp), bf16 on the CPU. A first process trains and saves; a second prepares the same models, then load_state, then
+--mlp), bf16 on the CPU, or (--model sd15) SD1.5's UNet and CLIP-L text encoder at 512 px in fp16 on a GPU capped at
+6 GiB (bench/sd15_6gb.py's models). A first process trains and saves; a second prepares the same models, then load_state, then
 trains; the peaks of each phase are read with the kernel's high-water mark reset between them (/proc/self/clear_refs)
 and with a sampler of anonymous memory (RssAnon: what the OOM killer counts; the page cache of a memory-mapped
 checkpoint is not).
 
     python bench/resume_peak.py --nvme-path /var/tmp/nvme --mlp 4096 --out resume_peak.json
+    python bench/resume_peak.py --nvme-path /var/tmp/nvme --model sd15 --out resume_peak_sd15.json   # on a GPU
 
 Prints each phase's peaks in GiB (RssFile: pages of files mapped into the process, such as a checkpoint loaded with
 mmap; the kernel drops them before it runs out of memory) and the ratio load_state / training.
@@ -53,47 +55,92 @@ class Peaks:
                 "file_gib": round(self.file / GIB, 3), "shmem_gib": round(self.shmem / GIB, 3)}
 
 
+def build(args):
+    """(models, a function of the prepared models giving one step's loss, precision) for --model."""
+    import torch
+
+    if args.model == "mlp":
+        from nvme_step import build_mlps
+
+        first, second = build_mlps(args.mlp)
+        g = torch.Generator().manual_seed(1)
+
+        def loss(first, second):
+            pred = second(first(torch.randn(4, args.mlp, generator=g)))
+            return torch.nn.functional.mse_loss(pred.float(), torch.randn(4, args.mlp, generator=g))
+
+        return (first, second), loss, "bf16"
+    from sd15_6gb import build_models
+
+    cuda = torch.cuda.is_available()  # without a GPU: SD1.5's layout in tiny widths, bf16, a smoke test
+    if cuda:
+        torch.cuda.set_per_process_memory_fraction(6 * GIB / torch.cuda.get_device_properties(0).total_memory)
+    unet, text_encoder = build_models(tiny=not cuda)
+    device, dtype = ("cuda", torch.float16) if cuda else ("cpu", torch.bfloat16)
+    size, vocab = (64, 49408) if cuda else (8, 1000)
+    g = torch.Generator().manual_seed(1)
+
+    def loss(unet, text_encoder):
+        ids = torch.randint(0, vocab, (1, 77), generator=g).to(device)
+        latents, noise = torch.randn(2, 1, 4, size, size, generator=g).to(device)
+        t = torch.randint(0, 1000, (1,), generator=g).to(device)
+        with torch.autocast(device, dtype=dtype):
+            pred = unet(latents + noise, t, text_encoder(ids)[0]).sample
+        return torch.nn.functional.mse_loss(pred.float(), noise.float())
+
+    return (unet, text_encoder), loss, "fp16" if cuda else "bf16"
+
+
 def worker(args):
+    import resource
+
     import torch
 
     import accel_ds_fix  # noqa: F401
-    from accel_ds_fix.memory import tiers
+    from accel_ds_fix.memory import check, model, tiers
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
-    from nvme_step import build_mlps
     from train_two_models import single_process_env
 
     single_process_env()
-    config = tiers.BY_NAME["zero3-nvme"].deepspeed_config(args.nvme_path)
+    config = tiers.BY_NAME[args.tier].deepspeed_config(args.nvme_path)
     config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
-    accelerator = Accelerator(mixed_precision="bf16", deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
-    first, second = build_mlps(args.mlp)
-    optimizer = torch.optim.AdamW(list(first.parameters()) + list(second.parameters()), lr=1e-6)
-    phases = {}
+    models, step_loss, precision = build(args)
+    accelerator = Accelerator(mixed_precision=precision, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    optimizer = torch.optim.AdamW([p for m in models for p in m.parameters()], lr=1e-6)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    settings = model.Settings.from_config(config, precision)
+    predicted = model.predict(check.workload_of(models, optimizer), settings, device, host_baseline=0)
+    phases = {"before_prepare_gib": round(status("VmRSS") / GIB, 3)}
     peaks = Peaks()
-    first, second, optimizer = accelerator.prepare(first, second, optimizer)
+    *models, optimizer = accelerator.prepare(*models, optimizer)
     phases["prepare"] = peaks.end()
     if args.phase == "resume":
         peaks = Peaks()
         accelerator.load_state(args.checkpoint)
         phases["load_state"] = peaks.end()
-    g = torch.Generator().manual_seed(1)
     peaks = Peaks()
     for _ in range(args.steps):
-        pred = second(first(torch.randn(4, args.mlp, generator=g)))
-        loss = torch.nn.functional.mse_loss(pred.float(), torch.randn(4, args.mlp, generator=g))
+        loss = step_loss(*models)
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
     phases["training"] = peaks.end()
     if args.phase == "save":
+        peaks = Peaks()
         accelerator.save_state(args.checkpoint)
+        phases["save_state"] = peaks.end()
+    phases["ru_maxrss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
+    phases["predicted_host_gib_without_baseline"] = round(predicted.host / GIB, 3)
+    phases["predicted_resume_host_gib_without_baseline"] = round(predicted.host_resume / GIB, 3)
     print("RESULT " + json.dumps({"phase": args.phase, "peaks": phases, "loss": loss.item()}), flush=True)
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--nvme-path", required=True)
+    p.add_argument("--model", choices=("mlp", "sd15"), default="mlp")
+    p.add_argument("--tier", default="zero3-nvme", help="a shipped tier (accel_ds_fix.memory.tiers)")
     p.add_argument("--mlp", type=int, default=4096, help="width of the two 9-layer MLPs (4096: 302M parameters)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--checkpoint", default="/var/tmp/accel_ds_fix_resume_peak")
@@ -104,7 +151,7 @@ def main():
         return worker(args)
     results = {}
     for phase in ("save", "resume"):
-        proc = subprocess.run([sys.executable, __file__, "--phase", phase, "--nvme-path", args.nvme_path, "--mlp",
+        proc = subprocess.run([sys.executable, __file__, "--phase", phase, "--nvme-path", args.nvme_path, "--model", args.model, "--tier", args.tier, "--mlp",
                                str(args.mlp), "--steps", str(args.steps), "--checkpoint", args.checkpoint],
                               capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -112,7 +159,13 @@ def main():
             sys.exit(f"{phase} failed:\n{proc.stderr[-3000:]}")
         results[phase] = json.loads(line[len("RESULT "):])
     resumed = results["resume"]["peaks"]
+    print(f"process before prepare(): {resumed['before_prepare_gib']:.2f} GiB; ru_maxrss: saving run "
+          f"{results['save']['peaks']['ru_maxrss_gib']:.2f}, resumed run {resumed['ru_maxrss_gib']:.2f} GiB; the memory "
+          f"model's training peak above the process: {resumed['predicted_host_gib_without_baseline']:.2f} GiB")
+    print(f"losses: saving run {results['save']['loss']:.7f}, resumed run {results['resume']['loss']:.7f}")
     for phase, peaks in resumed.items():
+        if not isinstance(peaks, dict):
+            continue
         print(f"{phase:<12} VmHWM {peaks['hwm_gib']:.2f} GiB   RssAnon peak {peaks['anon_gib']:.2f} GiB   (RssFile "
               f"{peaks['file_gib']:.2f}, RssShmem {peaks['shmem_gib']:.2f})")
     for key in ("hwm_gib", "anon_gib"):

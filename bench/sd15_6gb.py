@@ -32,14 +32,16 @@ import os
 import resource
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 GIB = 1024**3
+
+import variants  # noqa: E402  (bench/variants.py)
 # name: (how the models are prepared, tier name / "default" / None, capped, extra environment)
 VARIANTS = {
     "plain": ("plain", None, True, {}),
@@ -381,30 +383,18 @@ def main():
     p.add_argument("--variants", default="zero2-offload,zero3-nvme,zero3-offload")
     p.add_argument("--steps", type=int, default=8, help="timed steps (after 2 warm-up steps)")
     p.add_argument("--lr", type=float, default=1e-6)
-    p.add_argument("--cap-gib", type=float, default=6.0)
-    p.add_argument("--nvme-path", default="/var/tmp/accel_ds_fix_nvme")
-    p.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke test of this script")
-    p.add_argument("--out", default="bench_results.json")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
+    variants.add_arguments(p, cap_gib=6.0, out="bench_results.json")
     args = p.parse_args()
     if args.worker:
         return worker(args.worker, args)
 
     results = []
-    for name in args.variants.split(","):
-        out = Path(args.out).with_suffix(f".{name}.json")
-        cmd = [sys.executable, __file__, "--worker", name, "--steps", str(args.steps), "--lr", str(args.lr),
-               "--cap-gib", str(args.cap_gib), "--nvme-path", args.nvme_path, "--out", str(out)]
-        cmd += ["--tiny"] if args.tiny else []
-        started = time.time()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **VARIANTS[name][3]})
-        if proc.returncode != 0 or not out.exists():
-            results.append({"variant": name, "status": f"failed ({proc.returncode})", "log": proc.stderr[-3000:]})
-            print(proc.stderr[-3000:], file=sys.stderr)
-        else:
-            results.append(json.loads(out.read_text()))
-        results[-1]["wall_s"] = time.time() - started
-        print(json.dumps({k: v for k, v in results[-1].items() if k not in ("log", "losses")}), flush=True)
+    flags = ["--steps", str(args.steps), "--lr", str(args.lr), "--cap-gib", str(args.cap_gib), "--nvme-path",
+             args.nvme_path] + (["--tiny"] if args.tiny else [])
+    for result in variants.run_each(__file__, args.variants.split(","), args.out, flags,
+                                    env_for=lambda name: VARIANTS[name][3]):
+        results.append(result)
+        print(json.dumps({k: v for k, v in result.items() if k not in ("log", "losses")}), flush=True)
         Path(args.out).write_text(json.dumps(results, indent=1))
     report(results)
 

@@ -9,6 +9,8 @@ import pytest
 from accel_ds_fix import versions
 from conftest import clean_env, run
 
+pytestmark = pytest.mark.quick  # no DeepSpeed engine: the quick loop runs it (scripts/test.sh --quick)
+
 
 def python(code, **env):
     proc = run([sys.executable, "-c", textwrap.dedent(code)], env=clean_env(**env))

@@ -9,10 +9,13 @@ import pytest
 
 from conftest import ROOT, clean_env, run
 
+pytestmark = pytest.mark.quick  # no DeepSpeed engine: the quick loop runs it (scripts/test.sh --quick)
+
 # The .pth activates the fix when accelerate is first imported (this venv has no accelerate: the import fails
 # after the fix has been imported, which is all this needs).
 PROBE = """
 import sys
+
 try:
     import accelerate
 except ImportError:

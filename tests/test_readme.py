@@ -15,6 +15,8 @@ import textwrap
 import zipfile
 from pathlib import Path
 
+import pytest
+
 import accel_ds_fix
 from accel_ds_fix.memory import tiers
 from accel_ds_fix.ops import libaio
@@ -72,6 +74,7 @@ CLASSIFIED = [
     (r"pip install \.$", "installs into the reader's environment (test_packaging.py installs the checkout into a "
                          "fresh venv, as a wheel and editable)"),
     (r"\./scripts/test\.sh$", "the whole suite, this test among it: .ci/run calls it (checked below)"),
+    (r"\./scripts/test\.sh --quick$", "the suite's tests marked quick, this one among them (pytest -m quick)"),
     (r"sudo ", "needs root and changes the system's packages"),
     (r"ulimit -l$", "test_harmless_shell_commands_run_as_written"),
     (r"([A-Z_]+=\S+ )*accelerate launch --config_file \S+ \S+\.py ", "a training script of the user's (`...`: its "
@@ -97,6 +100,7 @@ def shell(command, home, check=True):
     return run(["bash", "-c", command], env=env, check=check)
 
 
+@pytest.mark.quick
 def test_every_documented_command_is_run_or_classified():
     assert commands(), "no ```bash blocks found"
     unknown = [f"{page.relative_to(ROOT)}: {c}" for page, c in documented() if classification(c) is None]
@@ -286,6 +290,7 @@ def anchors(page):
     return found
 
 
+@pytest.mark.quick
 def test_every_relative_link_leads_to_a_file_and_heading():
     for page in PAGES:
         for target in LINK.findall(prose(page)):
@@ -302,6 +307,7 @@ def test_every_relative_link_leads_to_a_file_and_heading():
 FORMER = {"configs/ds_zero2_offload_6gb.json": "the config of runs 2 - 4, today's zero2-offload tier"}
 
 
+@pytest.mark.quick
 def test_files_and_links_the_pages_name_exist():
     # Paths from the checkout's root, in any page; the record also names third-party paths (diffusers' examples/).
     for page in PAGES:
@@ -318,6 +324,7 @@ def test_files_and_links_the_pages_name_exist():
             assert (ROOT / "accel_ds_fix" / path).exists(), f"{page.relative_to(ROOT)}: {path}"
 
 
+@pytest.mark.quick
 def test_readme_is_short_and_every_guide_page_starts_with_its_command():
     lines = README.read_text().splitlines()
     assert len(lines) <= 150, len(lines)

@@ -7,6 +7,8 @@ import pytest
 
 from conftest import clean_env, run
 
+pytestmark = pytest.mark.quick  # no DeepSpeed engine: the quick loop runs it (scripts/test.sh --quick)
+
 # Where would a library loaded now bind std::string::find(const char*, size_t, size_t)? Both the op and
 # libstdc++ define it; dlsym(RTLD_DEFAULT) searches the global scope, as the dynamic linker does first.
 PROBE = r"""
@@ -14,6 +16,7 @@ import ctypes, sys
 if sys.argv[1] == "fix":
     import accel_ds_fix  # noqa: F401
 from deepspeed.ops.op_builder.pin_memory import PinMemoryBuilder
+
 PinMemoryBuilder().load()
 
 class DlInfo(ctypes.Structure):

@@ -5,6 +5,7 @@ Only calls the library."""
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -125,15 +126,25 @@ def _plan_parser(sub):
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=_parameter_count,
                       help="parameters passed to prepare(), e.g. 983M (SD1.5 UNet + text encoder)")
-    what.add_argument("--model", help="a diffusers pipeline folder (its unet and text encoders are counted), a "
-                                      "transformers/diffusers model folder, or a .safetensors file")
+    what.add_argument("--model", help="a diffusers pipeline folder (Flux, SD3/SD3.5, SDXL, SD1.x: its denoiser and the "
+                                      "text encoders the scripts train are counted, and what they keep on the card), "
+                                      "a transformers/diffusers model folder, or a .safetensors file")
     p.add_argument("--trainable", type=_parameter_count, help="trainable parameters, if fewer than all (default: all)")
+    p.add_argument("--no-text-encoder", action="store_true",
+                   help="with a pipeline --model: the text encoders stay frozen (the scripts without "
+                        "--train_text_encoder; then they pass one model to prepare() and need no fix)")
+    p.add_argument("--lora-rank", type=_positive_int, metavar="R",
+                   help="with a pipeline --model: a LoRA of rank R, as the scripts' --rank (the base frozen)")
+    p.add_argument("--grid", action="store_true",
+                   help="the recommended tier for 8, 12, 16 and 24 GB cards with 16, 32 and 64 GB of RAM, instead of "
+                        "this machine")
     p.add_argument("--gpu-memory", type=_at_least(advice.GPU_RESERVE, "the CUDA context and display"),
                    help="the card's memory, e.g. 6GiB (default: detected)")
     p.add_argument("--host-memory", type=_at_least(advice.HOST_RESERVE, "the system and desktop"),
                    help="the machine's RAM, e.g. 16GiB (default: detected)")
-    p.add_argument("--activations", default="0.42GiB", type=_memory_size,
-                   help="activation memory at the peak (default 0.42GiB: SD1.5, 512 px, batch 1, gradient checkpointing)")
+    p.add_argument("--activations", type=_memory_size,
+                   help="activation memory at the peak (default: the pipeline family's estimate at its usual "
+                        "resolution, batch 1, gradient checkpointing; else 0.42GiB, SD1.5 at 512 px)")
     p.add_argument("--mixed-precision", default="fp16", choices=["fp16", "bf16", "no"])
     p.add_argument("--num-processes", type=_positive_int, default=1, help="data-parallel processes (GPUs)")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
@@ -155,14 +166,24 @@ def _plan_parser(sub):
 
 def _plan(args):
     if args.model:
-        counted = advice.count_model_dir(args.model)
-        params = sum(counted.values())
-        source = ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in counted.items())
+        described = advice.describe_model(args.model, not args.no_text_encoder, args.lora_rank or 0,
+                                          args.mixed_precision,
+                                          advice.parse_bytes(args.activations) if args.activations else None)
     else:
-        params, source = advice.parse_count(args.params), "--params"
-    trainable = advice.parse_count(args.trainable) if args.trainable else params
-    work = memory_model.Workload(params=params, trainable=trainable, largest_trainable=min(trainable, memory_model.SD15_LARGEST_TENSOR),
-                           activations=advice.parse_bytes(args.activations))
+        if args.lora_rank or args.no_text_encoder:
+            raise ValueError("--lora-rank and --no-text-encoder need --model (a pipeline folder); with --params, give "
+                             "--trainable")
+        params = advice.parse_count(args.params)
+        described = advice.Described(memory_model.Workload(
+            params=params, trainable=params, largest_trainable=min(params, memory_model.SD15_LARGEST_TENSOR),
+            activations=advice.parse_bytes(args.activations or "0.42GiB")), "--params")
+    work = described.work
+    if args.trainable:
+        trainable = advice.parse_count(args.trainable)
+        work = dataclasses.replace(work, trainable=trainable, largest_trainable=min(work.largest_trainable, trainable))
+    params, trainable, source = work.params, work.trainable, described.source
+    if args.grid:
+        return _print_grid(described, work, args)
     machine = advice.Machine.given(
         advice.parse_bytes(args.gpu_memory) if args.gpu_memory else None,
         advice.parse_bytes(args.host_memory) if args.host_memory else None,
@@ -187,7 +208,7 @@ def _plan(args):
                           "tiers": rows, "recommended": recommended, "nvme_timing": timing, "written": written},
                          indent=1))
     else:
-        _print_plan(params, trainable, source, machine, args, rows, recommended)
+        _print_plan(params, trainable, source, machine, args, rows, recommended, work)
         if timing:
             _print_timing(timing, args)
         if written:
@@ -198,6 +219,60 @@ def _plan(args):
               file=sys.stderr)
         return 1
     return 0
+
+
+def _print_grid(described, work, args):
+    """`plan --grid`: the tier for each card and RAM size of the grid, GPU, host and disk predicted."""
+    cells = advice.grid(work, args.mixed_precision, args.num_processes, args.nvme_path or tiers.DEFAULT_NVME_PATH)
+    if args.json:
+        print(json.dumps({"params": work.params, "trainable": work.trainable, "source": described.source,
+                          "frozen_on_gpu_gib": round(work.frozen_on_gpu / GIB, 2), "cells": cells}, indent=1))
+        return 0
+    print(f"{described.source}\n{work.params / 1e6:.0f}M parameters prepared, {work.trainable / 1e6:.0f}M trained, "
+          f"{args.mixed_precision}, activations {work.activations / GIB:.2f} GiB"
+          + (f", {work.frozen_on_gpu / GIB:.1f} GiB frozen on the card beside them ("
+             + ", ".join(f"{c} {b / GIB:.1f}" for c, b in described.frozen) + ")" if work.frozen_on_gpu else ""))
+    disk = None
+    print(f"\n{'card':>5} {'RAM':>5}  {'tier':<20}{'GPU':>9}{'host':>9}{'NVMe':>9}  s/step on the disk")
+    for cell in cells:
+        row = cell["row"]
+        head = f"{cell['card_gb']:>3}GB {cell['ram_gb']:>3}GB  "
+        if row is None:
+            c = cell["closest"]
+            host = max(c["host_gib"], c["host_resume_gib"])
+            why = (f"{c['tier']} fits the card but needs {host:.0f} GiB of RAM" if c["fits_gpu"] else
+                   f"even {c['tier']} needs {c['gpu_reserved_gib']:.1f} GiB of the card")
+            print(head + f"{'none fits':<20}{'':>27}  ({why})")
+            continue
+        if row["nvme_gib"]:
+            disk = disk or _grid_disk(args)
+            settings = memory_model.Settings.from_config(
+                tiers.BY_NAME[row["tier"]].deepspeed_config(nvme_ram_gib=row["nvme_optimizer_ram_gib"]),
+                args.mixed_precision, args.num_processes)
+            t = advice.nvme_step_times(work, disk, 0.0, settings=settings, accumulations=(1,))[0]
+            seconds = f"{t['disk_seconds']:.0f} + compute"
+        else:
+            seconds = "-"
+        print(head + f"{row['tier']:<20}{row['gpu_reserved_gib']:>5.1f} GiB{row['host_gib']:>5.1f} GiB"
+                     + (f"{row['nvme_gib']:>5.0f} GiB" if row["nvme_gib"] else f"{'-':>9}") + f"  {seconds}")
+    if work.moved_before_prepare:
+        print(f"\nThe LoRA scripts move the frozen base to the card themselves before prepare() "
+              f"({work.moved_before_prepare / GIB:.1f} GiB here, `transformer.to(accelerator.device, dtype=weight_dtype)`): "
+              "no tier lowers that peak; a card that cannot hold it needs the base quantized or a script that "
+              "leaves it on the CPU until prepare().")
+    if disk is not None:
+        print(f"\nthe disk: {disk.describe()}" + ("" if args.nvme_path else " (assumed: give --nvme-path DIR to "
+                                                                                 "measure yours)"))
+    print("GiB predicted per process; GB as cards and RAM are sold, less what the CUDA context, display and system "
+          "keep. `plan --model ... --gpu-memory G --host-memory H` shows one machine in full; --write DIR writes it.")
+    return 0
+
+
+def _grid_disk(args):
+    if args.nvme_path:
+        with contextlib.redirect_stdout(sys.stderr):
+            return disk_speed.measure(args.nvme_path, tiers.BY_NAME["zero3-nvme"].deepspeed_config().get("aio", {}))
+    return disk_speed.ASSUMED_NVME
 
 
 def _write(tier_name, folder, nvme_path, nvme_ram_gib=None):
@@ -248,21 +323,26 @@ def _print_timing(timing, args):
           f"each step writes {timing['per_accumulation'][0]['written_per_step_gb']:.1f} GB)")
 
 
-def _print_plan(params, trainable, source, machine, args, rows, recommended):
+def _print_plan(params, trainable, source, machine, args, rows, recommended, work):
     print(f"{params / 1e6:.1f}M parameters ({source}), {trainable / 1e6:.1f}M trainable, {args.mixed_precision}, "
-          f"{args.num_processes} process(es), activations {args.activations}")
+          f"{args.num_processes} process(es), activations {work.activations / GIB:.2f} GiB")
+    if work.frozen_on_gpu:
+        print(f"on the card beside them, frozen and never prepared: {work.frozen_on_gpu / GIB:.2f} GiB (the scripts keep "
+              "these there)")
     print(f"GPU  {machine.gpu / GIB:.1f} GiB: {machine.gpu_usable / GIB:.1f} usable "
           f"({advice.GPU_RESERVE / GIB:.1f} kept for the CUDA context and display)")
     print(f"host {machine.host / GIB:.1f} GiB: {machine.host_usable / GIB:.1f} usable "
           f"({advice.HOST_RESERVE / GIB:.1f} kept for the system and desktop)\n")
-    print(f"{'tier':<15}{'GPU reserved':>13}{'host peak':>11}{'NVMe':>9}  fits")
+    print(f"{'tier':<20}{'GPU reserved':>13}{'host peak':>11}{'resuming':>10}{'NVMe':>9}  fits")
     for r in rows:
+        host = "host" if not r["fits_host_training"] else "host when resuming (load_state reads the optimizer states)"
         verdict = "yes" if r["fits"] else "no: " + " and ".join(
-            n for n, ok in (("GPU", r["fits_gpu"]), ("host", r["fits_host"])) if not ok)
+            n for n, ok in (("GPU", r["fits_gpu"]), (host, r["fits_host"])) if not ok)
         if not r["can_run_here"]:
             verdict += ", and cannot run here (below)"
         nvme = f"{r['nvme_gib']:.1f} GiB" if r["nvme_gib"] else "-"
-        print(f"{r['tier']:<15}{r['gpu_reserved_gib']:>9.1f} GiB{r['host_gib']:>7.1f} GiB{nvme:>9}  {verdict}")
+        print(f"{r['tier']:<20}{r['gpu_reserved_gib']:>9.1f} GiB{r['host_gib']:>7.1f} GiB{r['host_resume_gib']:>6.1f} GiB"
+              f"{nvme:>9}  {verdict}")
     for r in rows:
         if r["caveat"]:
             print(f"  {r['tier']}: {r['caveat']}")

@@ -3,15 +3,13 @@ machine, whether each fits, and the one to use. Parameter counts come from a num
 read without loading any weights."""
 
 import dataclasses
-import glob
-import json
 import os
 import re
-import struct
 
 from ..nvme import disk_speed
 from ..nvme import prerequisites as nvme_prerequisites
 from . import model as memory_model
+from . import model_files, pipelines
 from .tiers import DEFAULT_NVME_PATH, TIERS
 
 GIB = memory_model.GIB
@@ -48,43 +46,22 @@ def parse_bytes(text):
         raise ValueError(f"not a memory size: {text!r} (examples: 6GiB, 16GB, 12g)") from None
 
 
-def _safetensors_numel(path):
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    total = 0
-    for key, info in header.items():
-        if key != "__metadata__":
-            n = 1
-            for dim in info["shape"]:
-                n *= dim
-            total += n
-    return total
-
-
-def _folder_numel(folder):
-    files = glob.glob(os.path.join(folder, "*.safetensors"))
-    if files:
-        return sum(_safetensors_numel(f) for f in files)
-    files = glob.glob(os.path.join(folder, "*.bin"))
-    if files:
-        import torch
-
-        return sum(t.numel() for f in files for t in torch.load(f, mmap=True, weights_only=True).values())
-    raise ValueError(f"no weights (*.safetensors or *.bin) in {folder}")
-
-
 def count_model_dir(path, components=TRAINED_COMPONENTS):
     """Parameters of a model folder: a diffusers pipeline (the components a DreamBooth script trains), a
     single diffusers or transformers model, or one .safetensors file. Only file headers are read."""
     if os.path.isfile(path):
-        return {os.path.basename(path): _safetensors_numel(path)}
+        return {os.path.basename(path): _numel(model_files.file_shapes(path))}
     if os.path.exists(os.path.join(path, "model_index.json")):
-        found = {c: _folder_numel(os.path.join(path, c)) for c in components if os.path.isdir(os.path.join(path, c))}
+        found = {c: _numel(model_files.folder_shapes(os.path.join(path, c)))
+                 for c in components if os.path.isdir(os.path.join(path, c))}
         if not found:
             raise ValueError(f"{path} is a diffusers pipeline without any of {', '.join(components)}")
         return found
-    return {os.path.basename(os.path.normpath(path)): _folder_numel(path)}
+    return {os.path.basename(os.path.normpath(path)): _numel(model_files.folder_shapes(path))}
+
+
+def _numel(shapes):
+    return sum(model_files.numel(s) for s in shapes.values())
 
 
 @dataclasses.dataclass
@@ -127,8 +104,9 @@ def _can_run_here(config, prediction, checkpoint, world_size):
     return cannot + errors, notes
 
 
-def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_NVME_PATH):
-    """One row per tier, fastest first, and the name of the first that fits and can run here (or None)."""
+def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_NVME_PATH, here=True):
+    """One row per tier, fastest first, and the name of the first that fits and can run here (or None).
+    ``here``: False for a machine on paper (the grid): this machine's libaio and disk are not asked."""
     rows = []
     for tier in TIERS:
         config = tier.deepspeed_config(nvme_path)
@@ -143,20 +121,23 @@ def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_
             settings = dataclasses.replace(settings, nvme_ram=int(ram_gib * GIB))
             p = memory_model.predict(work, settings, "cuda")
         fits_gpu = bool(machine.gpu_usable) and p.gpu_reserved <= machine.gpu_usable
-        fits_host = bool(machine.host_usable) and p.host <= machine.host_usable
+        # a run that resumes holds its training buffers and what load_state reads (memory/model.py resume_extra)
+        fits_host = bool(machine.host_usable) and max(p.host, p.host_resume) <= machine.host_usable
         checkpoint = memory_model.checkpoint_bytes(work, settings)
-        cannot, notes = _can_run_here(config, p, checkpoint, world_size)
+        cannot, notes = _can_run_here(config, p, checkpoint, world_size) if here else ([], [])
         rows.append({
             "tier": tier.name,
             "title": tier.title,
             "gpu_reserved_gib": round(p.gpu_reserved / GIB, 2),
             "host_gib": round(p.host / GIB, 2),
+            "host_resume_gib": round(p.host_resume / GIB, 2),
             "nvme_gib": round(p.nvme / GIB, 2),
             "checkpoint_gib": round(checkpoint / GIB, 2),
             "nvme_optimizer_ram_gib": ram_gib,
             "trained_in_ram": memory_model.kept_in_ram(work, settings)[0] * world_size,
             "fits_gpu": fits_gpu,
             "fits_host": fits_host,
+            "fits_host_training": bool(machine.host_usable) and p.host <= machine.host_usable,
             "fits": fits_gpu and fits_host,
             "can_run_here": not cannot,
             "cannot_run_here": "; ".join(cannot) or None,
@@ -183,3 +164,69 @@ def nvme_step_times(work, speed, compute_seconds, steps=None, settings=None, acc
                      "disk_written_gb": round(steps * t.bytes_written / 1e9) if steps else None,
                      "written_per_step_gb": round(t.bytes_written / 1e9, 1)})
     return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Described:
+    """A model as `plan` counts it: the workload, and the words that say where the numbers came from."""
+
+    work: memory_model.Workload
+    source: str
+    family: object = None  # pipelines.Family of a pipeline folder, else None
+    frozen: tuple = ()  # (component, bytes) the script keeps on the card outside prepare()
+
+
+def describe_model(path, train_text_encoder=True, lora_rank=0, mixed_precision="fp16", activations=None):
+    """The workload of training the model at ``path`` as its scripts do. A Flux, SD3/SD3.5, SDXL or SD1.x
+    pipeline folder is counted per component (``train_text_encoder``, ``lora_rank``: the scripts' flags); other
+    folders and files count every parameter as trained. ``activations``: bytes, or None for the family's
+    estimate (SD1.5's measured figure elsewhere)."""
+    family = None
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "model_index.json")):
+        family = pipelines.family_of(path)
+    if family is None:
+        if lora_rank:
+            raise ValueError(f"--lora-rank needs a diffusers pipeline folder of a known family (Flux, SD3/SD3.5, "
+                             f"SDXL, SD1.x); {path} is not one: give --trainable instead")
+        counted = count_model_dir(path)
+        params = sum(counted.values())
+        work = memory_model.Workload(params=params, trainable=params,
+                                     largest_trainable=min(params, memory_model.SD15_LARGEST_TENSOR),
+                                     activations=memory_model.SD15_ACTIVATIONS if activations is None else activations)
+        return Described(work, ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in counted.items()))
+    c = pipelines.count(path, family, train_text_encoder, lora_rank, mixed_precision)
+    work = memory_model.Workload(params=c.params, trainable=c.trainable, largest_trainable=c.largest_trainable,
+                                 largest_weight=c.largest_weight, weight_bytes=c.weight_bytes, frozen_on_gpu=c.frozen_on_gpu,
+                                 moved_before_prepare=c.moved_before_prepare,
+                                 activations=family.activations if activations is None else activations)
+    how = f"LoRA rank {lora_rank}" if lora_rank else "full fine-tune"
+    encoders = "with its text encoder(s)" if train_text_encoder else "text encoders frozen"
+    return Described(work, f"{c.describe()}; {how}, {encoders}", family, c.frozen_what)
+
+
+def _closest(rows):
+    """Where no tier fits: the one with the least host memory among those the card holds, else the one that needs
+    the least of the card."""
+    on_card = [r for r in rows if r["fits_gpu"]]
+    if on_card:
+        return min(on_card, key=lambda r: max(r["host_gib"], r["host_resume_gib"]))
+    return min(rows, key=lambda r: r["gpu_reserved_gib"])
+
+
+# The grid `plan --grid` prints: consumer cards and RAM sizes of the people who train these models.
+GRID_CARDS_GB = (8, 12, 16, 24)
+GRID_HOSTS_GB = (16, 32, 64)
+
+
+def grid(work, mixed_precision="bf16", world_size=1, nvme_path=DEFAULT_NVME_PATH):
+    """For each card and RAM size of the grid (GB as sold: a 24 GB card has 24e9 bytes, less the reserve):
+    the recommended tier's row, or None where no tier fits."""
+    cells = []
+    for card in GRID_CARDS_GB:
+        for host in GRID_HOSTS_GB:
+            machine = Machine.given(card * 10**9, host * 10**9)
+            rows, recommended = plan(work, machine, mixed_precision, world_size, nvme_path, here=False)
+            row = next((r for r in rows if r["tier"] == recommended), None)
+            cells.append({"card_gb": card, "ram_gb": host, "tier": recommended, "row": row,
+                          "closest": None if row else _closest(rows)})
+    return cells

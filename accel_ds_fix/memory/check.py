@@ -67,6 +67,7 @@ def workload_of(models, optimizer=None):
         params=total,
         trainable=sum(full_numel(p) for p in trainable),
         largest_trainable=max((full_numel(p) for p in trainable), default=0),
+        largest_weight=max((full_numel(p) for p in params), default=0),
         weight_bytes=weight_bytes,
         groups=groups,
         param_sizes=sizes,

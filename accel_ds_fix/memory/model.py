@@ -41,12 +41,19 @@ class Workload:
     params: int
     trainable: int
     largest_trainable: int = 0  # elements of the largest trainable parameter (a staging buffer's size)
+    largest_weight: int = 0  # elements of the largest parameter, frozen ones included (0: where unknown)
     weight_bytes: int = 4  # bytes per element of the weights as handed to prepare()
     activations: int = 0  # bytes; 0 where unknown (the check inside prepare() cannot know them)
     groups: tuple = ()  # trainable elements per optimizer parameter group; () means one group
     # elements of each trainable parameter, one tuple per optimizer parameter group, in the optimizer's order;
     # () where unknown (`plan`): ZeRO-3's sub groups are then bounded, not formed
     param_sizes: tuple = ()
+    # bytes of frozen models the script keeps on the card beside the prepared ones (T5 for each step's prompts,
+    # the VAE): never handed to DeepSpeed, so on the card whatever the tier
+    frozen_on_gpu: int = 0
+    # bytes of the prepared models that the script itself moves to the card before prepare() (diffusers' LoRA
+    # scripts move the frozen base there): a peak before any tier acts
+    moved_before_prepare: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,9 +124,11 @@ class Prediction:
     host: int  # peak resident memory of the process, the baseline included
     nvme: int
     parts: list  # (what, where, bytes)
+    host_resume: int = 0  # peak resident memory of a run that resumes with load_state (its training buffers held)
 
     def gib(self):
-        return {k: round(getattr(self, k) / GIB, 2) for k in ("gpu_allocated", "gpu_reserved", "host", "nvme")}
+        return {k: round(getattr(self, k) / GIB, 2)
+                for k in ("gpu_allocated", "gpu_reserved", "host", "host_resume", "nvme")}
 
 
 def checkpoint_bytes(work, s):
@@ -212,8 +221,10 @@ def predict(work, s, device="cuda", host_baseline=None):
             gpu_train.append(("master weights, gradients and optimizer states", per_rank))
     else:
         params_on_gpu = s.offload_param == "none"
-        # stage 3 without zero.Init: the whole module passes through the device in half precision first
-        gpu_build.append(("half-precision weights, before ZeRO-3 partitions them", h * P))
+        # the fix partitions the models from host memory, one weight at a time (patches/zero3_host_partition.py);
+        # DeepSpeed alone would move the whole module to the card first (h * P)
+        gpu_build.append(("one weight on the card while ZeRO-3 partitions it", h * max(work.largest_weight,
+                                                                                       work.largest_trainable)))
         if params_on_gpu:
             gpu_train.append(("partitioned half-precision weights", h * P // W))
         else:
@@ -251,8 +262,16 @@ def predict(work, s, device="cuda", host_baseline=None):
                 nvme = (m + s.optimizer_state_bytes) * (T // W - kept)
     if work.activations:
         gpu_train.append(("activations", work.activations))
+    if work.frozen_on_gpu:
+        for where in (gpu_build, gpu_train):
+            where.append(("frozen models the script keeps on the card (not prepared)", work.frozen_on_gpu))
 
     build, train = sum(b for _, b in gpu_build), sum(b for _, b in gpu_train)
+    before = work.moved_before_prepare + work.frozen_on_gpu  # on the card before prepare() begins
+    if work.moved_before_prepare and before > build:
+        gpu_build.append(("prepared models the script moves to the card before prepare() (a LoRA's frozen base)",
+                          before - build))
+        build = before
     baseline = HOST_BASELINE[device] if host_baseline is None else host_baseline
     deepspeed_host = sum(b for _, b in host_parts)
     # The weights as loaded (before prepare) leave the host when they move to the GPU; on a CPU they stay.
@@ -272,8 +291,19 @@ def predict(work, s, device="cuda", host_baseline=None):
         else:
             factor = STAGE3_RESERVED_WEIGHTS_ON_GPU if s.offload_param == "none" else STAGE3_RESERVED
             gpu_reserved = int(gpu_alloc * factor)
+    host_resume = host_peak + resume_extra(work, s)
     parts = [(w, "gpu (construction)", b) for w, b in gpu_build] + [(w, "gpu (training)", b) for w, b in gpu_train]
     parts += [(w, "host", b) for w, b in host_parts] + [("process baseline", "host", baseline)]
     if nvme:
         parts.append(("master weights and optimizer states", "nvme", nvme))
-    return Prediction(gpu_alloc, gpu_reserved, host_peak, nvme, parts)
+    return Prediction(gpu_alloc, gpu_reserved, host_peak, nvme, parts, host_resume)
+
+
+def resume_extra(work, s):
+    """Host memory that load_state holds beside the training's buffers, at its peak. DeepSpeed (0.19.8,
+    engine._get_all_zero_checkpoint_state_dicts) reads this rank's ZeRO file whole with torch.load: the fp32 master
+    weights and the optimizer states of its partition. Under NVMe offload the fix maps that file instead
+    (checkpoints/nvme_resume.py: mmap, pages the kernel may drop) and DeepSpeed copies the swap files on disk."""
+    if s.stage == 0 or s.offload_optimizer == "nvme":
+        return 0
+    return (s.master_bytes + s.optimizer_state_bytes) * work.trainable // s.world_size

@@ -113,6 +113,24 @@ TIERS = [
         "reads and writes 1.9 GB/s (DeepSpeed alone: 19 - 21 s there), 17 s with every sub group on a 1.7 GB/s disk; "
         "`plan --nvme-path DIR --steps N` measures your disk and predicts the run's hours",
     ),
+    Tier(
+        "zero3-offload-nvme",
+        "ZeRO-3, weights in host memory, fp32 master weights and Adam states on an NVMe disk (today's large "
+        "models on small cards: a full fine-tune of SDXL, SD3.5 or Flux where RAM cannot hold the optimizer)",
+        {
+            **_ZERO3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": DEFAULT_NVME_PATH, "pin_memory": True,
+                                  "buffer_count": 12, "pipeline_read": True, "pipeline_write": True,
+                                  "fast_init": False},
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "sub_group_size": 25000000,
+        },
+        {"aio": {"block_size": 1048576, "queue_depth": 16, "intra_op_parallelism": 1, "single_submit": False,
+                 "overlap_events": True},
+         "accel_ds_fix": {"nvme_optimizer_ram_gib": 1.5}},
+        "slow, as zero3-nvme: each optimizer step reads and writes 12 bytes a trained parameter on the disk; the "
+        "weights also cross to the card for every forward and backward",
+    ),
 ]
 BY_NAME = {tier.name: tier for tier in TIERS}
 

@@ -9,7 +9,8 @@ import torch
 from .. import notices
 from ..lookup import deepspeed_config, uses_deepspeed
 from ..memory import check as memory_check
-from ..patches import clipping, cpu_threads, gpu_block_release, old_accelerate, zero3_dtypes, zero3_unprepared
+from ..patches import (clipping, cpu_threads, gpu_block_release, old_accelerate, zero3_dtypes,
+                       zero3_host_partition, zero3_unprepared)
 from . import engine_per_optimizer, engine_setup, gradient_explanation
 from .merge_plan import MergePlan, is_optimizer
 from .merged_module import MergedModels
@@ -54,6 +55,9 @@ def prepare(wrapped, instance, args, kwargs):
     if models and sum(1 for obj in args if is_optimizer(obj)) > 1:  # GAN-style: one engine per optimizer
         return engine_per_optimizer.prepare(wrapped, instance, args, kwargs, config)
     if len(models) < 2:
+        if models and zero.get("stage") == 3:
+            dtype = zero3_dtypes.training_dtype(config, getattr(instance, "mixed_precision", None))
+            zero3_host_partition.partition_from_host(models[0], config, dtype, instance.device)
         return wrapped(*args, **kwargs)
 
     plan = MergePlan(args)
@@ -67,6 +71,8 @@ def prepare(wrapped, instance, args, kwargs):
         dtype = zero3_dtypes.training_dtype(config, getattr(instance, "mixed_precision", None))
         zero3_dtypes.cast_beside_zero3_initialized(plan.models, dtype)
     merged = MergedModels(plan.models, plan.names)
+    if zero.get("stage") == 3:
+        zero3_host_partition.partition_from_host(merged, config, dtype, instance.device)
 
     # The merged module takes the first model's place; the other models leave the call.
     first = plan.positions[0]

@@ -38,6 +38,11 @@ class DiskSpeed:
         return f"reads {self.read / GB:.2f} GB/s and writes {self.write / GB:.2f} GB/s with direct I/O{both}"
 
 
+# `plan --grid` without --nvme-path: a PCIe 3 NVMe SSD of the kind laptops and desktops have, reading and
+# writing at once about as fast as the lent H200 host's disk measured (1.95 GB/s, docs/gpu.md run 11).
+ASSUMED_NVME = DiskSpeed(read=2.0 * GB, write=2.0 * GB, folder="(assumed)", both=2.0 * GB)
+
+
 def _handle(aio):
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
