@@ -71,6 +71,9 @@ def kill_chain(tmp_path, stage, ckpt, expected, points):
 
 
 def test_killed_saves_zero2_offload_resume_the_previous_checkpoint_or_are_refused(train, tmp_path):
+    """Over 60 s (183 s on 2 cores, beside another worker): one launched training killed at each of the save's
+    points (before, inside and between its files, in the manifest, between the renames), each followed by a
+    resume in a new process; a kill is what is tested, so each needs its own process."""
     stage = STAGES["zero2-offload"]
     ckpt, expected, files = first_checkpoint(train, tmp_path, stage)
     # the 4 files of the issue, DeepSpeed's scripts and latest, and the manifest last
@@ -210,7 +213,7 @@ def test_automatic_checkpoint_naming_with_total_limit(tmp_path):
 def test_killed_saves_of_the_other_shipped_tiers_resume_the_previous_checkpoint(train, tmp_path, request, tier):
     """The shipped tiers' layouts beyond ZeRO-2 + CPU offload: ZeRO-3 with weights and optimizer on the CPU, and with
     the optimizer on NVMe (its checkpoint holds the swapped optimizer states): killed before the first file, inside
-    the optimizer states and between two files."""
+    the optimizer states and between two files. Up to 73 s (zero3-nvme): each kill is a launched run and a resume."""
     stage = ["--zero-stage", "3", "--offload", "cpu", "--offload-params"]
     if tier == "zero3-nvme":
         skip_without_nvme()

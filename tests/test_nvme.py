@@ -114,6 +114,8 @@ def test_an_nvme_checkpoint_resumes_as_if_never_interrupted_in_its_layout_and_un
 
 
 def test_a_run_killed_in_the_middle_of_a_pipelined_step_resumes_its_checkpoint(disk_folder):
+    """Over 60 s (66 s): three launched runs (the uninterrupted one, the one killed with kill -9 in a step, the
+    resume), each swapping to a real disk."""
     # kill -9 while a sub group's write is in flight and the next one is being read, as the shipped tier runs
     # (its last sub groups in RAM): the swap folder is left half-stepped; a new run resuming the checkpoint gives
     # the losses of a clean resume, which are the uninterrupted run's, bit for bit.
@@ -280,6 +282,8 @@ def test_a_killed_get_libaio_leaves_nothing_half_done(tmp_path):
 
 
 def test_a_build_killed_halfway_does_not_hang_the_next_run(tmp_path):
+    """Over 60 s (94 s): it compiles one of DeepSpeed's ops from scratch twice, once killed halfway, in its own
+    extension folder (the build and the kill are what is tested)."""
     # torch builds an op under a lock file that only the builder removes; an OOM kill or kill -9 halfway through
     # DeepSpeed's first compile left it, and every later run waited on it forever. The next build removes a lock
     # that no live process holds and builds. (The CPU's shared-memory op: the quickest of DeepSpeed's ops.)
