@@ -413,6 +413,34 @@ def nvme_ram_too_large_for_host(reference):
     acc.prepare(unet, te, opt, data())
 
 
+@scenario
+def load_short_of_memory(reference):
+    # ZeRO-2 + CPU offload saves to argv[2]; loading it back where the host had less room than this process's ZeRO
+    # file (DeepSpeed reads it whole) is stopped before anything loads; with that room it loads.
+    from accel_ds_fix.checkpoints import load_memory
+    from accel_ds_fix.errors import CheckpointError
+    from accel_ds_fix.lookup import merged_engines
+
+    single_process_env()
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, offload_optimizer_device="cpu"))
+    unet, te, opt = models_and_optimizer(False)
+    unet, te, opt, dl = acc.prepare(unet, te, opt, data())
+    ids, lat = next(iter(dl))
+    acc.backward(torch.nn.functional.mse_loss(unet(lat, te(ids)), lat))
+    opt.step()
+    acc.save_state(sys.argv[2])
+    engine = merged_engines(acc)[0]
+    size = os.path.getsize(engine._get_zero_ckpt_name(sys.argv[2], "pytorch_model"))
+    try:
+        load_memory.check(engine, sys.argv[2], "pytorch_model", available=size - 1)
+        refused = None
+    except CheckpointError as exc:
+        refused = str(exc)
+    load_memory.check(engine, sys.argv[2], "pytorch_model", available=size)
+    acc.load_state(sys.argv[2])
+    return {"refused": refused, "size": size}
+
+
 def after_one_backward():
     """The merged models after one accelerator.backward (argv[2]: the ZeRO stage); gives the accelerator and the
     text encoder, whose embedding gradients the scenarios below read."""

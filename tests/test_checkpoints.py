@@ -91,3 +91,15 @@ def test_state_and_weights_save_after_end_training(scenario, tmp_path, stage):
     out = json.loads(scenario("save_after_end_training", stage, str(tmp_path / "final")).stdout.strip().splitlines()[-1])
     assert "accel_ds_fix.json" in out["saved"] and "pytorch_model" in out["saved"]
     assert out["te_shapes"] == [[32, 16], [16, 16]]
+
+
+def test_a_resume_short_of_host_memory_for_deepspeeds_load_stops_before_loading(scenario, tmp_path):
+    # DeepSpeed reads each process's ZeRO file whole beside the run (memory/model.py resume_extra): where the host
+    # lacks the room, one message says so and what to do, before anything is loaded.
+    ckpt = tmp_path / "ckpt"
+    out = json.loads(scenario("load_short_of_memory", str(ckpt)).stdout.strip().splitlines()[-1])
+    path = ckpt / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    assert out["size"] == path.stat().st_size
+    assert out["refused"].startswith(f"accel_ds_fix: load_state reads {path} whole ")
+    assert "Nothing was loaded; the checkpoint is unchanged." in out["refused"]
+    assert f"`python -m accel_ds_fix convert-checkpoint {ckpt}`" in out["refused"]

@@ -22,7 +22,7 @@ from ..gather import copied_by_hook, shards
 from ..lookup import merged_engines
 from ..merge import trainability
 from ..merge.proxy import unwrap
-from . import crash_safe, layout_change, load_hooks, manifest, nvme_resume, param_groups
+from . import crash_safe, layout_change, load_hooks, load_memory, manifest, nvme_resume, param_groups
 from .engine_views import merged_view
 
 
@@ -225,8 +225,12 @@ def load_state(wrapped, instance, args, kwargs):
     tags = [_checkpoint_tag(instance, engine) for engine in engines]
     saved_layout = layout_change.of_checkpoint(directory, tags[0], saved["layout"])
     # refusals before the hooks: what cannot be converted, and (for now) any conversion of several engines
-    if layout_change.check(directory, saved_layout, layout_change.of_engine(engines[0])) and len(engines) > 1:
+    converting = layout_change.check(directory, saved_layout, layout_change.of_engine(engines[0]))
+    if converting and len(engines) > 1:
         layout_change.refuse_several_engines(directory, saved_layout, layout_change.of_engine(engines[0]), tags)
+    if not converting:  # DeepSpeed's own load, which reads each process's ZeRO file whole
+        for engine, tag in zip(engines, tags):
+            load_memory.check(engine, directory, tag)
     for engine in engines:
         trainability.warn_if_changed(engine)
     hooks = list(getattr(instance, "_load_model_state_pre_hook", {}).values())
