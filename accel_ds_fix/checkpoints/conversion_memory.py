@@ -8,10 +8,8 @@ for has. Where the host has not the room, the conversion stops before it starts,
 on its own, instead of the kernel's OOM killer half-way. ACCEL_DS_FIX_MEMORY_CHECK (warn / off) applies here too.
 """
 
-import logging
 import os
 
-from .. import notices
 from ..errors import CheckpointError
 from ..memory import check as memory_check
 from . import universal_copy
@@ -76,7 +74,4 @@ def check(directory, tag, in_run, available=None):
             f"{head}. Nothing was written. Close what else holds memory, or convert on a machine with more and "
             f"copy the folder {universal_copy.converted_path(directory)} beside the checkpoint here (the resume "
             f"takes it when the checkpoint's content matches). Set {memory_check.ENV}=warn to try anyway.")
-    if mode == "warn":
-        notices.say(message, level=logging.WARNING)
-    else:
-        raise CheckpointError(message)
+    memory_check.stop_or_warn(mode, message, CheckpointError)

@@ -8,10 +8,8 @@ half-way; this stops it first, with what to do. Under NVMe offload the fix maps 
 (nvme_resume.py), so nothing is checked there. ACCEL_DS_FIX_MEMORY_CHECK (warn / off) applies.
 """
 
-import logging
 import os
 
-from .. import notices
 from ..errors import CheckpointError
 from ..memory import check as memory_check
 from . import layout_change
@@ -39,7 +37,4 @@ def check(engine, directory, tag, available=None):
         "the zero3-nvme tier, which reads the states from the disk a piece at a time: convert the checkpoint first "
         f"with `python -m accel_ds_fix convert-checkpoint {directory}` (on its own, before the run). `python -m "
         f"accel_ds_fix plan` shows each tier's resume peak. Set {memory_check.ENV}=warn to try here anyway.")
-    if mode == "warn":
-        notices.say(message, level=logging.WARNING)
-    else:
-        raise CheckpointError(message)
+    memory_check.stop_or_warn(mode, message, CheckpointError)

@@ -168,6 +168,14 @@ def check_mode():
     return chosen
 
 
+def stop_or_warn(mode, message, error):
+    """What every memory check does with a shortfall: raise ``error`` (mode "error") or say ``message`` ("warn")."""
+    if mode == "warn":
+        notices.say(message, level=logging.WARNING)
+    else:
+        raise error(message)
+
+
 def check_before_allocating(plan, config, accelerator):
     mode = check_mode()
     if mode == "off" or accelerator.device.type not in ("cuda", "cpu"):
@@ -202,7 +210,4 @@ def check_before_allocating(plan, config, accelerator):
         f"trainable. {tiers}; `python -m accel_ds_fix plan` shows each with its numbers. Nothing was allocated. "
         f"Set {ENV}=warn to go on anyway."
     )
-    if mode == "warn":
-        notices.say(message, level=logging.WARNING)
-    else:
-        raise MemoryPlanError(message)
+    stop_or_warn(mode, message, MemoryPlanError)
