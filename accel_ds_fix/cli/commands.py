@@ -236,7 +236,7 @@ def _print_grid(described, work, args):
     print(f"\n{'card':>5} {'RAM':>5}  {'tier':<20}{'GPU':>9}{'host':>9}{'NVMe':>9}  s/step on the disk")
     for cell in cells:
         row = cell["row"]
-        head = f"{cell['card_gb']:>3}GB {cell['ram_gb']:>3}GB  "
+        head = f"{cell['card_gb']:>3}GB {cell['ram_gb']:>3}GB  "  # GiB, as the cards' and DIMMs' GB are
         if row is None:
             c = cell["closest"]
             host = max(c["host_gib"], c["host_resume_gib"])
@@ -263,8 +263,8 @@ def _print_grid(described, work, args):
     if disk is not None:
         print(f"\nthe disk: {disk.describe()}" + ("" if args.nvme_path else " (assumed: give --nvme-path DIR to "
                                                                                  "measure yours)"))
-    print("GiB predicted per process; GB as cards and RAM are sold, less what the CUDA context, display and system "
-          "keep. `plan --model ... --gpu-memory G --host-memory H` shows one machine in full; --write DIR writes it.")
+    print("GiB predicted per process; a card's or RAM's GB as sold are GiB (12 GB: 12288 MiB), less what the CUDA "
+          "context, display and system keep. `plan --model ... --gpu-memory G --host-memory H` shows one machine in full; --write DIR writes it.")
     return 0
 
 

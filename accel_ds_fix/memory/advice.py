@@ -219,12 +219,12 @@ GRID_HOSTS_GB = (16, 32, 64)
 
 
 def grid(work, mixed_precision="bf16", world_size=1, nvme_path=DEFAULT_NVME_PATH):
-    """For each card and RAM size of the grid (GB as sold: a 24 GB card has 24e9 bytes, less the reserve):
-    the recommended tier's row, or None where no tier fits."""
+    """For each card and RAM size of the grid (a "24 GB" card and "64 GB" of RAM hold 24 and 64 GiB, as nvidia-smi
+    and free count them; less the reserves): the recommended tier's row, or None where no tier fits."""
     cells = []
     for card in GRID_CARDS_GB:
         for host in GRID_HOSTS_GB:
-            machine = Machine.given(card * 10**9, host * 10**9)
+            machine = Machine.given(card * GIB, host * GIB)
             rows, recommended = plan(work, machine, mixed_precision, world_size, nvme_path, here=False)
             row = next((r for r in rows if r["tier"] == recommended), None)
             cells.append({"card_gb": card, "ram_gb": host, "tier": recommended, "row": row,
