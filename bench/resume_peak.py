@@ -72,12 +72,15 @@ def build(args):
         return (first, second), loss, "bf16"
     from sd15_6gb import build_models
 
-    cuda = torch.cuda.is_available()  # without a GPU: SD1.5's layout in tiny widths, bf16, a smoke test
+    # Without a GPU: bf16, 8x8 latents, and SD1.5's layout in tiny widths (a smoke test) or, with --full-size, in
+    # its real widths: the optimizer states and so the resume's memory are those of SD1.5, the step is cheap.
+    cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_per_process_memory_fraction(6 * GIB / torch.cuda.get_device_properties(0).total_memory)
-    unet, text_encoder = build_models(tiny=not cuda)
+    full = cuda or args.full_size
+    unet, text_encoder = build_models(tiny=not full)
     device, dtype = ("cuda", torch.float16) if cuda else ("cpu", torch.bfloat16)
-    size, vocab = (64, 49408) if cuda else (8, 1000)
+    size, vocab = (64 if cuda else 8, 49408 if full else 1000)
     g = torch.Generator().manual_seed(1)
 
     def loss(unet, text_encoder):
@@ -119,6 +122,12 @@ def worker(args):
         peaks = Peaks()
         accelerator.load_state(args.checkpoint)
         phases["load_state"] = peaks.end()
+        phases["after_load_anon_gib"] = round(status("RssAnon") / GIB, 3)
+        if args.trim:  # what glibc keeps of the memory the load freed
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            phases["after_trim_anon_gib"] = round(status("RssAnon") / GIB, 3)
     peaks = Peaks()
     for _ in range(args.steps):
         loss = step_loss(*models)
@@ -141,6 +150,8 @@ def main():
     p.add_argument("--nvme-path", required=True)
     p.add_argument("--model", choices=("mlp", "sd15"), default="mlp")
     p.add_argument("--tier", default="zero3-nvme", help="a shipped tier (accel_ds_fix.memory.tiers)")
+    p.add_argument("--full-size", action="store_true", help="--model sd15 on the CPU: SD1.5's real widths")
+    p.add_argument("--trim", action="store_true", help="after load_state, return glibc's freed memory (malloc_trim)")
     p.add_argument("--mlp", type=int, default=4096, help="width of the two 9-layer MLPs (4096: 302M parameters)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--checkpoint", default="/var/tmp/accel_ds_fix_resume_peak")
@@ -151,7 +162,8 @@ def main():
         return worker(args)
     results = {}
     for phase in ("save", "resume"):
-        proc = subprocess.run([sys.executable, __file__, "--phase", phase, "--nvme-path", args.nvme_path, "--model", args.model, "--tier", args.tier, "--mlp",
+        proc = subprocess.run([sys.executable, __file__, "--phase", phase, "--nvme-path", args.nvme_path, "--model",
+                               args.model, "--tier", args.tier, *(["--full-size"] if args.full_size else []), "--mlp",
                                str(args.mlp), "--steps", str(args.steps), "--checkpoint", args.checkpoint],
                               capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)

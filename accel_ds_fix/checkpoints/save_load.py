@@ -20,6 +20,7 @@ import sys
 
 from ..gather import copied_by_hook, shards
 from ..lookup import merged_engines
+from ..memory import heap
 from ..merge import trainability
 from ..merge.proxy import unwrap
 from . import crash_safe, layout_change, load_hooks, load_memory, manifest, nvme_resume, param_groups
@@ -248,6 +249,7 @@ def load_state(wrapped, instance, args, kwargs):
     if not converted:  # a universal copy holds every sub group's states: nothing skipped to restore
         for engine, tag in zip(engines, tags):
             nvme_resume.restore(engine, directory, tag)
+    heap.return_freed_memory()  # what the load freed, so that the resumed run holds no more than a fresh one
     return result
 
 

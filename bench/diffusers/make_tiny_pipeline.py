@@ -1,10 +1,11 @@
-"""A tiny random Flux or SD3 pipeline folder for diffusers' examples/dreambooth scripts, offline: the transformer
-(Flux: 1 double and 1 single block; SD3: 1 block), CLIP text encoder(s) (Flux: 2 layers 32 wide; SD3: 1 layer
-768 wide and 1 layer 1280 wide), T5EncoderModel (2 layers), AutoencoderKL (one block), FlowMatchEulerDiscreteScheduler,
-a byte-level CLIP tokenizer and a T5 tokenizer built from a small vocabulary (none from the hub), and N random
-images in OUT/instance.
+"""A tiny random Flux, SD3 or SDXL pipeline folder for diffusers' examples/dreambooth scripts, offline: the
+transformer (Flux: 1 double and 1 single block; SD3: 1 block) or UNet2DConditionModel (SDXL: 2 blocks, SDXL's
+"text_time" conditioning), CLIP text encoder(s) (Flux and SDXL: 2 layers 32 wide; SD3: 1 layer 768 wide and 1 layer
+1280 wide), T5EncoderModel (2 layers; not SDXL), AutoencoderKL (one block), FlowMatchEulerDiscreteScheduler (SDXL:
+EulerDiscreteScheduler), a byte-level CLIP tokenizer and a T5 tokenizer built from a small vocabulary (none from the
+hub), and N random images in OUT/instance.
 
-python make_tiny_pipeline.py {flux,sd3} OUT [--images N] [--resolution 32]
+python make_tiny_pipeline.py {flux,sd3,sdxl} OUT [--images N] [--resolution 32]
 """
 import argparse
 import os
@@ -16,7 +17,7 @@ import torch
 from PIL import Image
 
 p = argparse.ArgumentParser()
-p.add_argument("kind", choices=["flux", "sd3"])
+p.add_argument("kind", choices=["flux", "sd3", "sdxl"])
 p.add_argument("out")
 p.add_argument("--images", type=int, default=4)
 p.add_argument("--resolution", type=int, default=32)
@@ -69,6 +70,26 @@ if a.kind == "flux":
     models["vae"] = vae(1)
     pipe = diffusers.FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), tokenizer=clip_tokenizer,
                                   tokenizer_2=t5_tokenizer, **models)
+elif a.kind == "sdxl":
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    # train_dreambooth_lora_sdxl.py tells its text encoders apart by class (CLIPTextModel / ...WithProjection)
+    models = {"text_encoder": clip(CLIPTextModel), "text_encoder_2": clip(CLIPTextModelWithProjection)}
+    te, te2 = models["text_encoder"].config, models["text_encoder_2"].config
+    time_dim = 8
+    # SDXL's conditioning: cross-attention on both encoders' penultimate hidden states concatenated; "text_time"
+    # embeds 6 size/crop numbers (time_dim each) and text_encoder_2's pooled projection
+    models["unet"] = diffusers.UNet2DConditionModel(
+        sample_size=a.resolution, in_channels=4, out_channels=4, block_out_channels=(8, 16), layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4), norm_num_groups=4, use_linear_projection=True, transformer_layers_per_block=(1, 1),
+        cross_attention_dim=te.hidden_size + te2.hidden_size, addition_embed_type="text_time",
+        addition_time_embed_dim=time_dim, projection_class_embeddings_input_dim=time_dim * 6 + te2.projection_dim)
+    models["vae"] = vae(4)
+    scheduler = diffusers.EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                                 timestep_spacing="leading", steps_offset=1)
+    pipe = diffusers.StableDiffusionXLPipeline(scheduler=scheduler, tokenizer=clip_tokenizer,
+                                               tokenizer_2=clip_tokenizer, add_watermarker=False, **models)
 else:
     from transformers import CLIPTextModelWithProjection
 
