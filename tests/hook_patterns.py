@@ -100,6 +100,7 @@ def parse_args():
     p.add_argument("--checkpoint")
     p.add_argument("--resume")
     p.add_argument("--unfreeze-after-prepare", action="store_true")
+    p.add_argument("--embedding-in-optimizer", action="store_true")
     p.add_argument("--out", required=True)
     return p.parse_args()
 
@@ -133,6 +134,8 @@ def main():
         network = Network()
     models = [m for m in (unet, text_encoder, text_encoder_2, network) if m is not None]
     trained = [p for m in models for p in m.parameters() if p.requires_grad]
+    if args.embedding_in_optimizer:  # handed to the optimizer frozen, to be turned on after prepare()
+        trained.append(text_encoder.embed.weight)
     optimizer = torch.optim.AdamW(trained, lr=1e-2)
     unwrap = accelerator.unwrap_model
 

@@ -67,8 +67,16 @@ def test_kohya_network_hooks_pop_by_index(tmp_path):
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_trainability_changed_after_prepare_resumes_and_is_said(tmp_path, stage):
     # The embedding turns trainable after prepare() (and after load_state on resume): DeepSpeed stored it as
-    # trainable, finds it frozen at load time, and would raise KeyError in load_module_state_dict.
-    first, resumed, _, proc = pattern_run(tmp_path, "lora", "--zero-stage", stage, "--unfreeze-after-prepare")
+    # frozen, finds it trainable at load time, and would raise KeyError in load_module_state_dict. Outside the
+    # script's optimizer (diffusers' LoRA scripts, for gradient checkpointing) no optimizer would update it, with
+    # DeepSpeed or without: nothing to say. Handed to the optimizer frozen, it would train without DeepSpeed and
+    # does not under it: said once.
+    (tmp_path / "outside").mkdir(), (tmp_path / "inside").mkdir()
+    first, resumed, _, proc = pattern_run(tmp_path / "outside", "lora", "--zero-stage", stage, "--unfreeze-after-prepare")
+    assert resumed["losses"] == first["losses"][3:]
+    assert "made trainable after accelerator.prepare()" not in proc.stderr
+    first, resumed, _, proc = pattern_run(tmp_path / "inside", "lora", "--zero-stage", stage, "--unfreeze-after-prepare",
+                                          "--embedding-in-optimizer")
     assert resumed["losses"] == first["losses"][3:]
     said = [line for line in proc.stderr.splitlines() if "made trainable after accelerator.prepare()" in line]
     assert len(said) == 1

@@ -83,10 +83,11 @@ def test_half_precision_weights_are_explained(scenario):
     assert result(proc) == {"scaler": "None"}  # what kohya's --full_fp16 patch would dereference
     warnings = [line for line in proc.stderr.splitlines() if "already in half precision" in line]
     assert warnings == [
-        "LOG accel_ds_fix WARNING trainable weights of tinyunet (TinyUNet, argument 1 of prepare()) are already in half precision. Under DeepSpeed, "
-        "train fp32 weights with mixed_precision fp16/bf16: DeepSpeed keeps fp32 master weights itself. kohya's "
-        "--full_fp16 (and --full_bf16) cast the models and patch accelerator.scaler, which is None under "
-        "DeepSpeed (AttributeError): drop those flags."
+        "LOG accel_ds_fix WARNING trainable weights of tinyunet (TinyUNet, argument 1 of prepare()) are already in half "
+        "precision. DeepSpeed keeps fp32 master weights of them and trains those, so nothing is lost (diffusers' LoRA "
+        "scripts leave a LoRA in bf16 under bf16: nothing to do). kohya's --full_fp16 (and --full_bf16) cast the "
+        "models and patch accelerator.scaler, which is None under DeepSpeed (AttributeError): drop those flags and "
+        "train fp32 weights with mixed_precision fp16/bf16."
     ]
 
 
@@ -167,11 +168,28 @@ def test_load_hook_failing_in_its_deepspeed_branch_is_explained_and_can_be_skipp
     stderr = refused(scenario, "load_hook_with_deepspeed_branch")
     assert "object has no attribute 'peft_config'" in stderr
     assert "accel_ds_fix: this error is in the script's load_state pre-hook load_model_hook" in stderr
+    assert "diffusers' train_dreambooth_lora_sd3.py rebuilds its models there from the base model" in stderr
     assert "ACCEL_DS_FIX_LOAD_HOOKS=skip" in stderr
     proc = run([sys.executable, SCENARIOS, "load_hook_with_deepspeed_branch"],
                env=clean_env(ACCEL_DS_FIX_LOAD_HOOKS="skip"))
     assert result(proc) == {"restored": True}  # DeepSpeed's checkpoint brought every weight back
     assert "1 load hook(s) of the script not run (ACCEL_DS_FIX_LOAD_HOOKS=skip)" in proc.stderr
+
+
+@pytest.mark.quick
+def test_a_load_hook_error_of_another_kind_is_not_put_down_to_the_deepspeed_branch():
+    # train_dreambooth_sd3.py's full fine-tune hook fails in model(**config), with or without DeepSpeed
+    from accel_ds_fix.checkpoints import load_hooks
+
+    def load_model_hook(models, input_dir):
+        pass
+
+    error = TypeError("__init__() got an unexpected keyword argument '_class_name'")
+    load_hooks._explain(error, load_model_hook)
+    note = error.__notes__[0]
+    assert note.startswith("accel_ds_fix: this error is in the script's load_state pre-hook load_model_hook (")
+    assert "If the same resume fails without DeepSpeed, the hook itself is at fault." in note
+    assert "train_dreambooth_lora_sd3" not in note and "ACCEL_DS_FIX_LOAD_HOOKS=skip" in note
 
 
 def test_few_cpu_threads_under_offload_are_said(scenario):

@@ -40,13 +40,18 @@ def _explain(error, hook):
     note = (
         f"accel_ds_fix: this error is in the script's load_state pre-hook {getattr(hook, '__name__', hook)}{where}. "
         "With merged models the hook gets the models themselves, as without DeepSpeed, and DeepSpeed's checkpoint "
-        "restores every weight of them afterwards, over what the hook loads. A hook that branches on "
-        "`accelerator.distributed_type == DistributedType.DEEPSPEED` still takes its DeepSpeed branch: diffusers' "
-        "train_dreambooth_lora_sd3.py rebuilds its models there from the base model, the text encoders without "
-        "their LoRA adapters ('no attribute peft_config'), to load the LoRA weights into copies it then drops. "
-        f"If the hook only loads model weights, set {SKIP_VARIABLE}=skip to resume without it; a hook that restores "
-        "anything else (an EMA model, a step counter) must be mended in the script."
+        "restores every weight of them afterwards, over what the hook loads. "
     )
+    if "peft_config" in str(error):  # the hook's DeepSpeed branch rebuilt models without their adapters
+        note += (
+            "A hook that branches on `accelerator.distributed_type == DistributedType.DEEPSPEED` still takes its "
+            "DeepSpeed branch: diffusers' train_dreambooth_lora_sd3.py rebuilds its models there from the base "
+            "model, the text encoders without their LoRA adapters ('no attribute peft_config'), to load the LoRA "
+            "weights into copies it then drops. ")
+    else:  # the hook's own failure, which may happen without DeepSpeed too (train_dreambooth_sd3.py's does)
+        note += "If the same resume fails without DeepSpeed, the hook itself is at fault. "
+    note += (f"If the hook only loads model weights, set {SKIP_VARIABLE}=skip to resume without it; a hook that "
+             "restores anything else (an EMA model, a step counter) must be mended in the script.")
     if hasattr(error, "add_note"):  # Python >= 3.11: printed under the error itself
         error.add_note(note)
     else:

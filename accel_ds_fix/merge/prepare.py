@@ -11,7 +11,7 @@ from ..lookup import deepspeed_config, uses_deepspeed
 from ..memory import check as memory_check
 from ..patches import (clipping, cpu_threads, gpu_block_release, old_accelerate, zero3_dtypes,
                        zero3_host_partition, zero3_unprepared)
-from . import engine_per_optimizer, engine_setup, gradient_explanation
+from . import engine_per_optimizer, engine_setup, gradient_explanation, trainability
 from .merge_plan import MergePlan, is_optimizer
 from .merged_module import MergedModels
 
@@ -26,10 +26,11 @@ def _say_if_half_precision_weights(plan):
                    for p in m.parameters())]
     if half:
         notices.say(
-            f"trainable weights of {', '.join(half)} are already in half precision. Under DeepSpeed, train fp32 "
-            "weights with mixed_precision fp16/bf16: DeepSpeed keeps fp32 master weights itself. kohya's "
-            "--full_fp16 (and --full_bf16) cast the models and patch accelerator.scaler, which is None under "
-            "DeepSpeed (AttributeError): drop those flags.",
+            f"trainable weights of {', '.join(half)} are already in half precision. DeepSpeed keeps fp32 master "
+            "weights of them and trains those, so nothing is lost (diffusers' LoRA scripts leave a LoRA in bf16 under "
+            "bf16: nothing to do). kohya's --full_fp16 (and --full_bf16) cast the models and patch "
+            "accelerator.scaler, which is None under DeepSpeed (AttributeError): drop those flags and train fp32 "
+            "weights with mixed_precision fp16/bf16.",
             level=logging.WARNING,
         )
 
@@ -71,6 +72,7 @@ def prepare(wrapped, instance, args, kwargs):
         dtype = zero3_dtypes.training_dtype(config, getattr(instance, "mixed_precision", None))
         zero3_dtypes.cast_beside_zero3_initialized(plan.models, dtype)
     merged = MergedModels(plan.models, plan.names)
+    held = trainability.held_by(plan.optimizers[0] if plan.optimizers else None)
     if zero.get("stage") == 3:
         zero3_host_partition.partition_from_host(merged, config, dtype, instance.device)
 
@@ -83,6 +85,7 @@ def prepare(wrapped, instance, args, kwargs):
     engine = result[first]
 
     proxies = engine_setup.adopt(engine, plan.names, plan.models)
+    engine._accel_ds_fix_in_optimizer = held
     handed_back = []
     remaining = iter(result)
     for i, obj in enumerate(args):

@@ -36,6 +36,16 @@ def remember(engine):
     engine._accel_ds_fix_stepped = _stepped_whatever_the_gradient(engine)
     engine._accel_ds_fix_params = params
     engine._accel_ds_fix_flags = tuple(p.requires_grad for p in params)
+    engine._accel_ds_fix_in_optimizer = None  # unknown until prepare() says (held_by)
+
+
+def held_by(optimizer):
+    """Ids of what the script's optimizer holds, frozen parameters too, read before DeepSpeed builds the engine
+    (ZeRO replaces the optimizer's params with its flat partitions). A parameter outside it that the script makes
+    trainable later is not updated without DeepSpeed either: diffusers' LoRA scripts turn the text encoders'
+    embeddings on for gradient checkpointing."""
+    groups = getattr(optimizer, "param_groups", None)
+    return {id(p) for g in groups for p in g["params"]} if groups else None
 
 
 def backward(wrapped, instance, args, kwargs):
@@ -62,19 +72,24 @@ def frozen_names(merged):
 
 
 def _changed(engine):
-    """Names of the parameters made trainable after prepare(), of those frozen after it that DeepSpeed's
-    optimizer still steps, and of those frozen after it that it does not step (which changes nothing)."""
+    """Names of the parameters made trainable after prepare() that the script's optimizer holds, of those frozen
+    after it that DeepSpeed's optimizer still steps, and of the changes that alter nothing (frozen ones it does not
+    step; trainable ones outside the script's optimizer)."""
     trained = getattr(engine, "_accel_ds_fix_trained", None)
     if trained is None:
         return [], [], []
     stepped = engine._accel_ds_fix_stepped
+    in_optimizer = getattr(engine, "_accel_ds_fix_in_optimizer", None)
     turned_on, turned_off, harmless = [], [], []
     for name, param in engine.module.named_parameters():
         if full_numel(param) == 0:
             continue
         was_trainable = id(param) in trained
         if param.requires_grad and not was_trainable:
-            turned_on.append(name)
+            if in_optimizer is not None and id(param) not in in_optimizer:
+                harmless.append(name)  # no optimizer of the script's would update it, with DeepSpeed or without
+            else:
+                turned_on.append(name)
         elif was_trainable and not param.requires_grad:
             (turned_off if id(param) in stepped else harmless).append(name)
     return turned_on, turned_off, harmless
@@ -94,8 +109,8 @@ def warn_if_changed(engine):
         engine._accel_ds_fix_harmless_said = True
         # kohya's train_network.py freezes the UNet and text encoder after prepare(): nothing to warn about.
         notices.logger.debug(
-            "%d parameter(s) were frozen after accelerator.prepare() (%s): DeepSpeed's optimizer does not "
-            "step them, so this changes nothing", len(harmless), _listed(harmless))
+            "%d parameter(s) changed requires_grad after accelerator.prepare() (%s): no optimizer steps them, "
+            "with DeepSpeed or without, so this changes nothing", len(harmless), _listed(harmless))
     if not (turned_on or turned_off):
         return
     engine._accel_ds_fix_trainability_said = True
