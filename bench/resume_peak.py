@@ -95,8 +95,6 @@ def build(args):
 
 
 def worker(args):
-    import resource
-
     import torch
 
     import accel_ds_fix  # noqa: F401
@@ -139,7 +137,8 @@ def worker(args):
         peaks = Peaks()
         accelerator.save_state(args.checkpoint)
         phases["save_state"] = peaks.end()
-    phases["ru_maxrss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
+    # the process's peak: the largest phase's (clear_refs resets VmHWM, and with it ru_maxrss, at each phase)
+    phases["ru_maxrss_gib"] = max(v["hwm_gib"] for v in phases.values() if isinstance(v, dict))
     phases["predicted_host_gib_without_baseline"] = round(predicted.host / GIB, 3)
     phases["predicted_resume_host_gib_without_baseline"] = round(predicted.host_resume / GIB, 3)
     print("RESULT " + json.dumps({"phase": args.phase, "peaks": phases, "loss": loss.item()}), flush=True)
@@ -171,7 +170,7 @@ def main():
             sys.exit(f"{phase} failed:\n{proc.stderr[-3000:]}")
         results[phase] = json.loads(line[len("RESULT "):])
     resumed = results["resume"]["peaks"]
-    print(f"process before prepare(): {resumed['before_prepare_gib']:.2f} GiB; ru_maxrss: saving run "
+    print(f"process before prepare(): {resumed['before_prepare_gib']:.2f} GiB; peak VmHWM: saving run "
           f"{results['save']['peaks']['ru_maxrss_gib']:.2f}, resumed run {resumed['ru_maxrss_gib']:.2f} GiB; the memory "
           f"model's training peak above the process: {resumed['predicted_host_gib_without_baseline']:.2f} GiB")
     print(f"losses: saving run {results['save']['loss']:.7f}, resumed run {results['resume']['loss']:.7f}")
