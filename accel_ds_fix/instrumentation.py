@@ -14,6 +14,7 @@ import wrapt
 # or a tuple of them, innermost first}
 PATCHES = {
     "accelerate.accelerator": {
+        "Accelerator.__init__": "patches.zero3_held_moves.arm_at_init",
         "Accelerator.prepare": "merge.prepare.prepare",
         "Accelerator.backward": "merge.trainability.backward",
         "Accelerator.accumulate": "merge.backward_routing.accumulate",
@@ -23,6 +24,10 @@ PATCHES = {
         "Accelerator.save_state": "checkpoints.save_load.save_state",
         "Accelerator.load_state": "checkpoints.save_load.load_state",
         "Accelerator.end_training": "patches.end_training.end_training",
+    },
+    # optimizer offload: no import of bitsandbytes only to learn that the optimizer is not one of its classes
+    "accelerate.utils.deepspeed": {
+        "is_bnb_available": "patches.bnb_probe.only_if_imported",
     },
     # `accelerate launch` (the launcher process): a relative deepspeed_config_file of a YAML config
     "accelerate.commands.launch": {
@@ -37,6 +42,14 @@ PATCHES = {
     "transformers.modeling_utils": {
         "PreTrainedModel.from_pretrained": ("patches.zero3_loading.drop_low_cpu_mem_usage",
                                             "patches.zero3_unprepared.watch_loaded"),
+    },
+    # ZeRO-3: a diffusers/transformers model's .to(card) before prepare() is held, to be partitioned from host memory
+    "torch.nn.modules.module": {
+        "Module.to": "patches.zero3_held_moves.hold_back",
+    },
+    # DeepSpeed's CPU ops ask py-cpuinfo three times a launch, each a subprocess: once is enough
+    "cpuinfo": {
+        "get_cpu_info": "patches.cpu_info_once.once",
     },
     # CPU: the shared-memory segment each process makes in /dev/shm, unlinked once every rank has opened it
     "deepspeed.comm.torch": {

@@ -17,6 +17,21 @@ EXAMPLE = ROOT / "examples" / "train_two_models.py"
 SCENARIOS = Path(__file__).resolve().parent / "scenarios.py"
 
 
+def pytest_collection_modifyitems(items):
+    # The tests whose docstring says they take over 60 s start first, so that two workers do not end with one of
+    # them alone on a long test (each says why it is long: docs/tests.md).
+    def slow(item):
+        doc = getattr(getattr(item, "function", None), "__doc__", None) or ""
+        return "Over 60 s" in doc or "About 60 s" in doc
+
+    items.sort(key=lambda item: not slow(item))  # stable: the rest keep their order
+
+
+def result(proc):
+    """The JSON line a scenario or child prints last."""
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def clean_env(**extra):
     # ACCEL_DS_FIX_LIBAIO stays: it is where the set-up put libaio, not a setting a test chooses.
     env = {k: v for k, v in os.environ.items()

@@ -137,6 +137,24 @@ def sgd_with_offload(reference):
 
 
 @scenario
+def offload_mapping_without_bnb_import(reference):
+    # Optimizer offload maps torch's AdamW to DeepSpeedCPUAdam; accelerate imported bitsandbytes (1.5 s) only to
+    # ask whether the optimizer is one of its classes. --reference: the script imported bitsandbytes itself.
+    if reference:
+        import bitsandbytes  # noqa: F401
+    single_process_env()
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, offload_optimizer_device="cpu"))
+    set_seed(0)
+    unet, te = TinyUNet(), TinyTextEncoder()
+    opt = torch.optim.AdamW([*unet.parameters(), *te.parameters()], lr=1e-2, weight_decay=0.1)
+    unet, te, opt, dl = acc.prepare(unet, te, opt, data())
+    inner = opt.optimizer.optimizer  # accelerate's wrapper > DeepSpeed's ZeRO optimizer > the CPU optimizer
+    return {"bitsandbytes_imported": "bitsandbytes" in sys.modules, "optimizer": type(inner).__name__,
+            "adamw_mode": inner.adam_w_mode, "weight_decay": inner.param_groups[0]["weight_decay"],
+            "losses": train(acc, lambda ids, lat: unet(lat, te(ids)), opt, dl, (unet, te))}
+
+
+@scenario
 def cpu_adam_with_offload(reference):
     # The script builds DeepSpeed's own CPU optimizer itself (what optimizer offload runs anyway).
     from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -323,6 +341,43 @@ def zero3_frozen_unprepared(reference):
             "t5_dtypes": sorted({str(p.dtype) for p in t5.parameters()}),
             "t5_output_diff": {k: (v - expected).abs().max().item() for k, v in outputs.items()},
             "clip_changed": clip_changed, "clip_tensors": len(clip_at_start)}
+
+
+@scenario
+def zero3_held_move(reference):
+    # diffusers' LoRA scripts under ZeRO-3 with offloaded weights: transformer.to(accelerator.device,
+    # dtype=weight_dtype) on the frozen base before prepare(), and the same for a frozen model never prepared. The
+    # meta device stands in for the card (a move there keeps no values): a held move keeps the weights in host
+    # memory for prepare() to partition, and the unprepared model goes where its .to() asked at prepare().
+    # --reference: no .to() at all.
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    def clip(seed):
+        set_seed(seed)
+        return CLIPTextModel(CLIPTextConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=32,
+                                            num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=TOKENS,
+                                            eos_token_id=VOCAB - 1))
+
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}, "bf16": {"enabled": "auto"}}
+    acc = accelerator(config=config, mixed_precision="bf16")
+    set_seed(0)
+    unet, trained, frozen = TinyUNet(), clip(1), clip(2).requires_grad_(False)
+    seen = {}
+    if not reference:
+        trained.to("meta", dtype=torch.bfloat16)
+        frozen.to(torch.device("meta"))
+        seen["held"] = {name: sorted({str(p.device) for p in m.parameters()}) for name, m in
+                        (("trained", trained), ("frozen", frozen))}
+        seen["held_dtypes"] = sorted({str(p.dtype) for p in trained.parameters()})
+    opt = torch.optim.AdamW([*unet.parameters(), *trained.parameters()], lr=1e-2)
+    unet, trained, opt, dl = acc.prepare(unet, trained, opt, data())
+    seen["frozen_after_prepare"] = sorted({str(p.device) for p in frozen.parameters()})
+    seen["losses"] = train(acc, lambda ids, latents: unet(latents, trained(ids)[0]), opt, dl, (unet, trained))
+    after = clip(3)
+    after.to("meta")  # after prepare(): moved at once
+    seen["moved_after_prepare"] = sorted({str(p.device) for p in after.parameters()})
+    return seen
 
 
 @scenario

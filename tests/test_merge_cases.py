@@ -1,6 +1,5 @@
 """Edge cases of merging, each in its own process on the real stack."""
 
-import json
 import re
 import shutil
 import sys
@@ -9,11 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCENARIOS, clean_env, run, skip_without_nvme
-
-
-def result(proc):
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+from conftest import SCENARIOS, clean_env, result, run, skip_without_nvme
 
 
 def refused(scenario, name, *args):
@@ -160,6 +155,20 @@ def test_zero3_frozen_model_loaded_but_not_prepared_is_used_whole(scenario, when
     assert all(diff == 0.0 for diff in out["t5_output_diff"].values())
     assert out["clip_changed"] == out["clip_tensors"]  # the prepared, partitioned CLIP still trains
     assert "T5EncoderModel was loaded partitioned" in proc.stderr and "gathered whole" in proc.stderr
+
+
+def test_zero3_move_to_the_card_before_prepare_is_held_for_prepare_to_partition(scenario):
+    # diffusers' LoRA scripts move the frozen base to the card before prepare(): Flux's 24 GB transformer, which
+    # ZeRO-3 with offloaded weights keeps in host memory. The meta device stands in for the card.
+    proc = scenario("zero3_held_move")
+    fixed, reference = result(proc), result(scenario("zero3_held_move", "--reference"))
+    assert fixed["held"] == {"trained": ["cpu"], "frozen": ["cpu"]}  # still in host memory, values kept
+    assert fixed["held_dtypes"] == ["torch.bfloat16"]  # the dtype of the same .to() is applied at once
+    assert fixed["frozen_after_prepare"] == ["meta"]  # not prepared: moved where the script asked, at prepare()
+    assert fixed["losses"] == reference["losses"]  # partitioned from what was held: the same training
+    assert fixed["losses"][-1] != fixed["losses"][0]
+    assert fixed["moved_after_prepare"] == ["meta"]  # after prepare() a move is a move
+    assert "ZeRO-3: CLIPTextModel.to(meta) before prepare() is held back" in proc.stderr
 
 
 def test_load_hook_failing_in_its_deepspeed_branch_is_explained_and_can_be_skipped(scenario):

@@ -1,13 +1,9 @@
 """What cannot work under ZeRO the way a script wrote it (gradients read between backward and step, weights
 written outside forward) is said after the traceback, and the ways out the message names do work."""
 
-import json
-
 import pytest
 
-
-def result(proc):
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+from conftest import result
 
 
 def test_gradient_read_after_backward_is_explained(scenario):

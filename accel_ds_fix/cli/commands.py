@@ -258,8 +258,8 @@ def _print_grid(described, work, args):
     if work.moved_before_prepare:
         print(f"\nThe LoRA scripts move the frozen base to the card themselves before prepare() "
               f"({work.moved_before_prepare / GIB:.1f} GiB here, `transformer.to(accelerator.device, dtype=weight_dtype)`): "
-              "no tier lowers that peak; a card that cannot hold it needs the base quantized or a script that "
-              "leaves it on the CPU until prepare().")
+              "under ZeRO-2 it stays there whole; under ZeRO-3 the fix holds that move back and partitions the base "
+              "from host memory, which is how a card smaller than the base trains it.")
     if disk is not None:
         print(f"\nthe disk: {disk.describe()}" + ("" if args.nvme_path else " (assumed: give --nvme-path DIR to "
                                                                                  "measure yours)"))

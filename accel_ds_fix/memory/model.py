@@ -54,6 +54,9 @@ class Workload:
     # bytes of the prepared models that the script itself moves to the card before prepare() (diffusers' LoRA
     # scripts move the frozen base there): a peak before any tier acts
     moved_before_prepare: int = 0
+    # host bytes of every model as the script loads it, before its own casts and moves (a pipeline's scripts load
+    # the transformer in fp32 and T5 beside it); 0: the prepared weights at weight_bytes
+    loaded_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,14 +271,15 @@ def predict(work, s, device="cuda", host_baseline=None):
 
     build, train = sum(b for _, b in gpu_build), sum(b for _, b in gpu_train)
     before = work.moved_before_prepare + work.frozen_on_gpu  # on the card before prepare() begins
-    if work.moved_before_prepare and before > build:
+    # Under ZeRO-3 the fix holds that move back and partitions from host memory (patches/zero3_held_moves.py)
+    if work.moved_before_prepare and s.stage < 3 and before > build:
         gpu_build.append(("prepared models the script moves to the card before prepare() (a LoRA's frozen base)",
                           before - build))
         build = before
     baseline = HOST_BASELINE[device] if host_baseline is None else host_baseline
     deepspeed_host = sum(b for _, b in host_parts)
     # The weights as loaded (before prepare) leave the host when they move to the GPU; on a CPU they stay.
-    loaded = work.weight_bytes * P
+    loaded = work.loaded_bytes or work.weight_bytes * P
     if device == "cpu":  # the device buffers are host memory too, allocated before DeepSpeed's host buffers
         # What the tensors hold. glibc may keep freed blocks besides (its dynamic mmap threshold): up to ~15 % more
         # resident memory on the CPU, never on a GPU host, whose DeepSpeed buffers are pinned (docs/memory.md).

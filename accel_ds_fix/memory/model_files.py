@@ -22,6 +22,19 @@ def file_shapes(path):
     return {key: tuple(info["shape"]) for key, info in header.items() if key != "__metadata__"}
 
 
+def file_bytes(path):
+    """Bytes of the tensors of one .safetensors file, in the dtypes it stores them, from its header."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return sum(info["data_offsets"][1] - info["data_offsets"][0] for key, info in header.items() if key != "__metadata__")
+
+
+def folder_bytes(folder):
+    """Bytes of a model folder's weights as stored (0 where they are not safetensors files)."""
+    return sum(file_bytes(f) for f in glob.glob(os.path.join(folder, "*.safetensors")))
+
+
 def folder_shapes(folder):
     """{tensor name: shape} of a model folder's weights (sharded files together)."""
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))

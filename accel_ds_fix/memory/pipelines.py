@@ -73,6 +73,9 @@ class Counted:
     # bytes the script moves to the card itself before prepare(): the LoRA scripts' frozen base in the training
     # dtype (transformer.to(accelerator.device, dtype=weight_dtype)), whatever the tier does with it afterwards
     moved_before_prepare: int = 0
+    # host bytes of every component once the script has loaded them, before its own casts and moves: diffusers
+    # builds its models in fp32 (the scripts pass no torch_dtype), transformers >= 5 keeps the checkpoint's dtype
+    loaded_bytes: int = 0
 
     def describe(self):
         parts = ", ".join(f"{c} {n / 1e6:.0f}M" + (" (prepared)" if c in self.prepared else "")
@@ -135,5 +138,7 @@ def count(folder, family, train_text_encoder=False, lora_rank=0, mixed_precision
         frozen += [(c, components[c] * half) for c in dict.fromkeys(kept) if c in present and c not in prepared]
     largest_weight = max(model_files.numel(s) for c in prepared for s in shapes[c].values())
     moved = sum(components[c] for c in prepared) * half if lora_rank else 0
+    loaded = sum(4 * components[c] if c in (family.denoiser, "vae")
+                 else model_files.folder_bytes(os.path.join(folder, c)) or 4 * components[c] for c in present)
     return Counted(family, components, prepared, params, trainable, largest, largest_weight, half if lora_rank else 4,
-                   sum(b for _, b in frozen), tuple(frozen), moved)
+                   sum(b for _, b in frozen), tuple(frozen), moved, loaded)
