@@ -2,6 +2,7 @@
 
 import json
 import os
+import string
 
 
 def clip_tokenizer(folder):
@@ -22,3 +23,15 @@ def clip_tokenizer(folder):
         f.write("#version: 0.2\n")
     return CLIPTokenizer(os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt"),
                          pad_token="<|endoftext|>", model_max_length=77)
+
+
+def t5_tokenizer(model_max_length=None):
+    """A T5 tokenizer over a unigram vocabulary of single characters and a few words (ids 0 <pad>, 1 </s>, 2 <unk>,
+    as T5's own)."""
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [(c, -3.0) for c in string.ascii_letters + string.digits + string.punctuation]
+    pieces += [("▁" + w, -1.0) for w in ("a", "photo", "of", "sks", "dog", "in", "the", "bucket")]
+    kwargs = {"model_max_length": model_max_length} if model_max_length else {}
+    return T5TokenizerFast(vocab=pieces, extra_ids=0, **kwargs)

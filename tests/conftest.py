@@ -33,12 +33,15 @@ def result(proc):
 
 
 def clean_env(**extra):
-    # ACCEL_DS_FIX_LIBAIO stays: it is where the set-up put libaio, not a setting a test chooses.
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("ACCELERATE_", "ACCEL_DS_FIX")) or k == "ACCEL_DS_FIX_LIBAIO"}
+    # ACCEL_DS_FIX_LIBAIO stays: it is where the set-up put libaio, not a setting a test chooses; so does the file
+    # that counts launches.
+    kept = ("ACCEL_DS_FIX_LIBAIO", "ACCEL_DS_FIX_TEST_LAUNCH_LOG")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "ACCEL_DS_FIX")) or k in kept}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     env.update(extra)
+    if env.get("ACCEL_DS_FIX_TEST_LAUNCH_LOG"):  # counting the suite's launches (tests/launch_count)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests" / "launch_count"), env.get("PYTHONPATH")]))
     return env
 
 

@@ -337,7 +337,13 @@ def zero3_frozen_unprepared(reference):
         outputs["after_training"] = t5(ids)[0]
     with deepspeed.zero.GatheredParameters(list(clip.parameters())):
         clip_changed = sum(not torch.equal(p, clip_at_start[n]) for n, p in acc.unwrap_model(clip).named_parameters())
+    # the scripts reload the pipeline after training to save it: what save_pretrained writes is its state_dict
+    reloaded = T5EncoderModel.from_pretrained(f"{folder}/t5").state_dict()
+    saved = plain_t5.to(torch.bfloat16).state_dict()
+    reload_equal = reloaded.keys() == saved.keys() and all(torch.equal(reloaded[k], saved[k]) for k in saved)
     return {"losses": losses, "loaded_partitioned": loaded_partitioned, "whole_after_prepare": whole_after_prepare,
+            "reloaded_after_training_equal": reload_equal,
+            "reloaded_devices": sorted({str(t.device) for t in reloaded.values()}),
             "t5_dtypes": sorted({str(p.dtype) for p in t5.parameters()}),
             "t5_output_diff": {k: (v - expected).abs().max().item() for k, v in outputs.items()},
             "clip_changed": clip_changed, "clip_tensors": len(clip_at_start)}

@@ -154,6 +154,9 @@ def test_zero3_frozen_model_loaded_but_not_prepared_is_used_whole(scenario, when
     assert set(out["t5_output_diff"]) == ({"before_prepare", "after_training"} if args else {"after_training"})
     assert all(diff == 0.0 for diff in out["t5_output_diff"].values())
     assert out["clip_changed"] == out["clip_tensors"]  # the prepared, partitioned CLIP still trains
+    # loaded again after training (the scripts' final save): whole, in host memory, the checkpoint's values; its
+    # save_pretrained wrote shape-[0] tensors before
+    assert out["reloaded_after_training_equal"] is True and out["reloaded_devices"] == ["cpu"]
     assert "T5EncoderModel was loaded partitioned" in proc.stderr and "gathered whole" in proc.stderr
 
 

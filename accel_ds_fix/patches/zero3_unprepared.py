@@ -10,7 +10,9 @@ follows .to()). The same Parameter objects are kept, so an optimizer or a later 
 
 When: at a prepare() that builds an engine, for every such model not among its arguments (every process is there, and
 gathering is a collective); before that, at the model's first forward (prompts encoded before prepare(): with several
-processes each must run that forward, as each runs prepare()). A model passed to prepare() is left to its engine.
+processes each must run that forward, as each runs prepare()). A model passed to prepare() is left to its engine. A
+model loaded after that prepare() (the scripts reload the pipeline at the end to save it) is made whole as it is
+loaded, in host memory as from_pretrained gives it without DeepSpeed: its save_pretrained wrote shape-[0] tensors.
 The cost: each process holds the whole model, as without ZeRO-3 (T5-XXL: 9.5 GB in bf16).
 """
 
@@ -27,13 +29,16 @@ _DEEPSPEED_PARAM_ATTRIBUTES = (
     "nvme_swapper",
 )
 _watched = weakref.WeakKeyDictionary()  # model -> hook handles of its first-forward check
+_engine_built = False  # a ZeRO-3 prepare() has run: no later one is expected to take a model loaded now
 
 
 def watch_loaded(wrapped, instance, args, kwargs):
     """PreTrainedModel.from_pretrained: a model that comes back partitioned is made whole at its first forward,
     unless prepare() takes it first."""
     model = wrapped(*args, **kwargs)
-    if _has_partitioned_params(model):
+    if _engine_built and _has_partitioned_params(model):
+        make_whole(model, device="cpu")
+    elif _has_partitioned_params(model):
         reference = weakref.ref(model)
         # Every submodule: a script may call a part directly (text_encoder.get_input_embeddings()(ids)).
         _watched[model] = [m.register_forward_pre_hook(lambda *_: _whole_on_first_use(reference))
@@ -44,6 +49,8 @@ def watch_loaded(wrapped, instance, args, kwargs):
 def at_prepare(models):
     """prepare() under ZeRO-3, with ``models`` among its arguments: those (and models inside them) go to an engine;
     every other loaded model still partitioned is made whole now, while every process is here."""
+    global _engine_built
+    _engine_built = True
     prepared = {id(m) for model in models for m in model.modules()}
     for model in list(_watched.keys()):
         if id(model) in prepared:
@@ -52,9 +59,9 @@ def at_prepare(models):
             make_whole(model)
 
 
-def make_whole(model):
-    """Replace each ZeRO-3 shard of ``model`` with its full value (a collective); the parameters stay the same
-    objects. Returns how many were gathered."""
+def make_whole(model, device=None):
+    """Replace each ZeRO-3 shard of ``model`` with its full value (a collective) on ``device`` (default: where the
+    script's last .to() asked); the parameters stay the same objects. Returns how many were gathered."""
     _stop_watching(model)
     params = [p for p in model.parameters() if is_partitioned(p)]
     if not params:
@@ -64,7 +71,7 @@ def make_whole(model):
     for param in params:  # one at a time: no second copy of the whole model
         placeholder = param.data  # empty, but in the dtype and on the device of the script's last .to()
         with deepspeed.zero.GatheredParameters(shards([param]), modifier_rank=None):
-            full = param.data.to(placeholder.device, placeholder.dtype, copy=True)
+            full = param.data.to(device or placeholder.device, placeholder.dtype, copy=True)
         param.data = full
         _forget_partitioning(param)
     numel = sum(p.numel() for p in params)

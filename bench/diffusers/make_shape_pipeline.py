@@ -1,24 +1,60 @@
-"""A diffusers pipeline folder of header-only safetensors files with the real shapes of Flux.1-dev, SD3.5 medium or
-large, or SDXL: what `plan --model` reads (the headers), without the gigabytes. The models are built on torch's meta
-device from the published configs written out below; the files have no tensor data and load nowhere else.
+"""A diffusers pipeline folder with the real shapes of Flux.1-dev, SD3.5 medium or large, or SDXL. The models are
+built on torch's meta device from the published configs written out below.
+
+By default the safetensors files are header-only: what `plan --model` reads (the headers), without the gigabytes;
+they load nowhere else.
+
+With --random (flux-dev only) the folder is a loadable pipeline (FluxPipeline.from_pretrained, diffusers'
+train_dreambooth_lora_flux.py) with random bf16 weights: each tensor is drawn on the GPU where there is one (std 0.02;
+norm weights 1, biases 0), copied to the host and written at once into sharded safetensors files with their index
+json, as save_pretrained shards (the transformer in 10 GB files, T5 in 5 GB ones, as the published repository), so
+host memory holds one tensor at a time. The configs say bfloat16, as the published ones do. Tokenizers are built
+offline from tiny vocabularies (bench/tiny_tokenizers.py: every id within the embeddings), the scheduler is
+Flux.1-dev's. The whole pipeline is 33.6 GB; drawn on a 2-core CPU, 0.1 GB/s (`--blocks 1,1`: 11 GB in 106 s,
+757 MB of host memory at the peak); on the GPU the disk sets the pace (not measured yet).
 
     python bench/diffusers/make_shape_pipeline.py flux-dev /tmp/flux-dev-shapes
     python -m accel_ds_fix plan --model /tmp/flux-dev-shapes --grid
+    python bench/diffusers/make_shape_pipeline.py flux-dev /var/tmp/flux-dev --random
+    python bench/diffusers/make_shape_pipeline.py flux-dev /tmp/flux-1-1 --random --blocks 1,1  # 1+1 blocks
+    python bench/diffusers/make_shape_pipeline.py flux-dev /tmp/flux-tiny --random --tiny       # a CPU rehearsal
+    python bench/diffusers/make_shape_pipeline.py flux-dev /tmp/flux-4-8 --blocks 4,8 --t5-layers 2  # headers only
 """
 
 import argparse
 import json
 import os
+import sys
+import time
 
 import torch
 
+# Flux.1-dev's published shapes; --tiny swaps in those of make_tiny_pipeline.py's Flux (a CPU rehearsal of the kit)
+FLUX_DEV = {"transformer": dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
+                                attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+                                pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
+            "clip": dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
+                         projection_dim=768),
+            "t5": dict(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24),
+            "vae": dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32,
+                        latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159)}
+FLUX_TINY = {"transformer": dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                                 num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                                 guidance_embeds=True, axes_dims_rope=(4, 4, 8)),
+             "clip": dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2,
+                          projection_dim=32),
+             "t5": dict(d_model=32, d_ff=37, d_kv=8, num_heads=4, num_layers=2, relative_attention_num_buckets=8),
+             "vae": dict(block_out_channels=(4,), layers_per_block=1, norm_num_groups=1, latent_channels=1,
+                         scaling_factor=1.5035, shift_factor=0.0609)}
 
-def clip_l(projection=False):
+
+def clip_l(projection=False, **overrides):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    config = CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
-                            max_position_embeddings=77, vocab_size=49408, projection_dim=768)
-    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config)
+    config = dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
+                  max_position_embeddings=77, vocab_size=49408, projection_dim=768)
+    config.update(overrides)
+    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(CLIPTextConfig(**config))
 
 
 def clip_g():
@@ -30,30 +66,47 @@ def clip_g():
                                                       projection_dim=1280, hidden_act="gelu"))
 
 
-def t5_xxl():
+def t5_xxl(**overrides):
     from transformers import T5Config, T5EncoderModel
 
-    return T5EncoderModel(T5Config(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24,
-                                   vocab_size=32128, feed_forward_proj="gated-gelu"))
+    config = dict(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, vocab_size=32128,
+                  feed_forward_proj="gated-gelu")
+    config.update(overrides)
+    return T5EncoderModel(T5Config(**config))
 
 
-def vae(latent_channels):
+def vae(latent_channels, block_out_channels=(128, 256, 512, 512), layers_per_block=2, **overrides):
     from diffusers import AutoencoderKL
 
+    n = len(block_out_channels)
     return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent_channels,
-                         block_out_channels=(128, 256, 512, 512), layers_per_block=2,
-                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4)
+                         block_out_channels=block_out_channels, layers_per_block=layers_per_block,
+                         down_block_types=("DownEncoderBlock2D",) * n, up_block_types=("UpDecoderBlock2D",) * n,
+                         **overrides)
 
 
-def flux_dev():
+def flux_dev(sizes=FLUX_DEV, blocks=None, token_ids=None, t5_layers=None):
+    """Flux.1-dev's four models; blocks=(double, single) keeps its widths with fewer blocks, t5_layers T5's width
+    with fewer layers; token_ids: the tokenizers' CLIP bos/eos/pad ids and T5 vocabulary size (the embeddings keep
+    their published sizes unless tiny)."""
     from diffusers import FluxTransformer2DModel
 
+    transformer = dict(sizes["transformer"])
+    if blocks:
+        transformer.update(num_layers=blocks[0], num_single_layers=blocks[1])
+    clip, t5 = dict(sizes["clip"]), dict(sizes["t5"], feed_forward_proj="gated-gelu")
+    if t5_layers:
+        t5.update(num_layers=t5_layers)
+    if token_ids:
+        clip.update(bos_token_id=token_ids["bos"], eos_token_id=token_ids["eos"], pad_token_id=token_ids["pad"])
+        if sizes is FLUX_TINY:  # make_tiny_pipeline.py's: embeddings as large as the tiny vocabularies
+            clip.update(vocab_size=token_ids["clip_vocab"], hidden_act="gelu")
+            t5.update(vocab_size=token_ids["t5_vocab"], pad_token_id=0, eos_token_id=1)
+    # Flux's VAE has no quant convs (published config); sample_size as the published 1024
     return "FluxPipeline", {
-        "transformer": FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
-                                              attention_head_dim=128, num_attention_heads=24,
-                                              joint_attention_dim=4096, pooled_projection_dim=768,
-                                              guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
-        "text_encoder": clip_l(), "text_encoder_2": t5_xxl(), "vae": vae(16)}
+        "transformer": FluxTransformer2DModel(**transformer),
+        "text_encoder": clip_l(**clip), "text_encoder_2": t5_xxl(**t5),
+        "vae": vae(**sizes["vae"], use_quant_conv=False, use_post_quant_conv=False, sample_size=1024)}
 
 
 def sd35(layers, heads, caption, pos, dual):
@@ -91,45 +144,169 @@ KINDS = {
 }
 
 
-def write_header_only(model, path):
-    """A safetensors header naming every tensor a checkpoint of the model holds (its state_dict: parameters and
-    persistent buffers, such as SD3's positional embedding) with its shape (bf16), and no data after it."""
-    header, offset = {}, 0
-    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)}  # a tied weight is saved once
+def checkpoint_tensors(model):
+    """{name: tensor} of what a checkpoint of the model holds (its state_dict: parameters and persistent buffers,
+    such as SD3's positional embedding), a tied weight once."""
+    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     tensors = dict(model.named_parameters())
     tensors.update((n, t) for n, t in model.state_dict().items() if n not in tied)
-    for name, p in tensors.items():
-        size = 2 * p.numel()
-        header[name] = {"dtype": "BF16", "shape": list(p.shape), "data_offsets": [offset, offset + size]}
+    return tensors
+
+
+def safetensors_header(entries, note=None):
+    """A safetensors header (8-byte length, JSON padded to 8 bytes) for [(name, shape, dtype tag, bytes)], the data
+    laid out in that order."""
+    header, offset = {}, 0
+    for name, shape, tag, size in entries:
+        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
-    header["__metadata__"] = {"format": "pt", "note": "header only (accel_ds_fix bench): shapes, no data"}
+    header["__metadata__"] = {"format": "pt", **({"note": note} if note else {})}
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def write_header_only(model, path):
+    """A safetensors header naming every tensor a checkpoint of the model holds with its shape (bf16), and no data
+    after it."""
+    entries = [(n, t.shape, "BF16", 2 * t.numel()) for n, t in checkpoint_tensors(model).items()]
     with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.write(safetensors_header(entries, "header only (accel_ds_fix bench): shapes, no data"))
 
 
 def checkpoint_elements(model):
-    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    buffers = sum(t.numel() for n, t in model.state_dict().items() if n not in tied)
-    return sum(q.numel() for q in model.parameters()) + buffers
+    return sum(t.numel() for t in checkpoint_tensors(model).values())
+
+
+# --random: the saved dtype of each tensor (floating ones in bf16, as the published checkpoint) and its values
+TAGS = {torch.bfloat16: "BF16", torch.float32: "F32", torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL"}
+
+
+def saved_dtype(t):
+    return torch.bfloat16 if t.is_floating_point() else t.dtype
+
+
+def random_tensor(name, t, device, generator, std=0.02):
+    if not t.is_floating_point() or name.endswith("bias"):
+        return torch.zeros(t.shape, dtype=saved_dtype(t), device=device)
+    if t.ndim == 1 and "norm" in name.lower():
+        return torch.ones(t.shape, dtype=torch.bfloat16, device=device)
+    return torch.empty(t.shape, dtype=torch.bfloat16, device=device).normal_(0.0, std, generator=generator)
+
+
+def write_random(model, folder, weights_name, shard_bytes, device, generator):
+    """The model's checkpoint with random values, in files of at most shard_bytes (a larger tensor alone in one),
+    named and indexed as save_pretrained names them (weights_name: model.safetensors or
+    diffusion_pytorch_model.safetensors). Returns the bytes written."""
+    tensors = checkpoint_tensors(model)
+    shards, size = [[]], 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * saved_dtype(t).itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, t, nbytes))
+        size += nbytes
+    stem, ext = weights_name.rsplit(".", 1)
+    names = [weights_name] if len(shards) == 1 else \
+        [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}" for i in range(len(shards))]
+    weight_map, total = {}, 0
+    for file, shard in zip(names, shards):
+        with open(os.path.join(folder, file), "wb") as f:
+            f.write(safetensors_header([(n, t.shape, TAGS[saved_dtype(t)], b) for n, t, b in shard]))
+            for name, t, nbytes in shard:
+                values = random_tensor(name, t, device, generator).cpu().reshape(-1)
+                f.write(values.view(torch.uint8).numpy().data)
+                weight_map[name] = file
+                total += nbytes
+    if len(shards) > 1:
+        with open(os.path.join(folder, weights_name + ".index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return total
+
+
+def save_config(model, folder):
+    if hasattr(model, "save_config"):  # diffusers
+        model.save_config(folder)
+    else:  # transformers: what save_pretrained writes beside the weights, in the published bf16
+        model.config.architectures = [type(model).__name__]
+        setattr(model.config, "dtype" if hasattr(model.config, "dtype") else "torch_dtype", torch.bfloat16)
+        model.config.save_pretrained(folder)
+
+
+def tokenizers(out):
+    """The tiny offline tokenizers, saved into OUT/tokenizer and OUT/tokenizer_2: their ids and classes."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    import tiny_tokenizers
+
+    clip = tiny_tokenizers.clip_tokenizer(os.path.join(out, "tokenizer"))
+    t5 = tiny_tokenizers.t5_tokenizer(model_max_length=512)
+    clip.save_pretrained(os.path.join(out, "tokenizer"))
+    t5.save_pretrained(os.path.join(out, "tokenizer_2"))
+    vocab = clip.get_vocab()
+    ids = {"bos": vocab["<|startoftext|>"], "eos": vocab["<|endoftext|>"], "pad": vocab["<|endoftext|>"],
+           "clip_vocab": len(vocab), "t5_vocab": len(t5)}
+    return ids, {"tokenizer": ["transformers", type(clip).__name__], "tokenizer_2": ["transformers", type(t5).__name__]}
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("kind", choices=sorted(KINDS))
     p.add_argument("out")
+    p.add_argument("--random", action="store_true", help="flux-dev: random bf16 weights, a loadable pipeline")
+    p.add_argument("--tiny", action="store_true", help="with --random: make_tiny_pipeline.py's tiny Flux shapes")
+    p.add_argument("--blocks", help="flux-dev: D,S double and single transformer blocks at the real widths")
+    p.add_argument("--t5-layers", type=int, help="flux-dev: T5 with this many layers at the real width (d_model "
+                   "4096, which the transformer's context embedder takes)")
+    p.add_argument("--shard-gb", type=float, help="with --random: largest file, GB (default: 10 for the "
+                   "transformer, 5 for the text encoders, as the published repository)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="with --random: where the values are drawn (default: cuda where there is one)")
+    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    with torch.device("meta"):
-        pipeline, components = KINDS[args.kind]()
+    if args.tiny and not args.random or args.random and args.kind != "flux-dev":
+        p.error("--tiny goes with --random, which makes flux-dev only")
+    if (args.blocks or args.t5_layers) and args.kind != "flux-dev":
+        p.error("--blocks and --t5-layers are flux-dev's")
     os.makedirs(args.out, exist_ok=True)
-    index = {"_class_name": pipeline}
+    index, token_ids = {"_class_name": None}, None
+    if args.random:
+        import diffusers
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        index["_diffusers_version"] = diffusers.__version__
+        token_ids, tokenizer_entries = tokenizers(args.out)
+        FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15,
+                                        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True
+                                        ).save_pretrained(os.path.join(args.out, "scheduler"))
+        index.update(tokenizer_entries, scheduler=["diffusers", "FlowMatchEulerDiscreteScheduler"],
+                     feature_extractor=[None, None], image_encoder=[None, None])
+    with torch.device("meta"):
+        if args.kind == "flux-dev":
+            blocks = tuple(int(b) for b in args.blocks.split(",")) if args.blocks else None
+            index["_class_name"], components = flux_dev(FLUX_TINY if args.tiny else FLUX_DEV, blocks, token_ids,
+                                                        args.t5_layers)
+        else:
+            index["_class_name"], components = KINDS[args.kind]()
+    generator = torch.Generator(args.device).manual_seed(args.seed)
+    start = time.perf_counter()
     for name, model in components.items():
-        os.makedirs(os.path.join(args.out, name), exist_ok=True)
-        write_header_only(model, os.path.join(args.out, name, "model.safetensors"))
+        folder = os.path.join(args.out, name)
+        os.makedirs(folder, exist_ok=True)
         index[name] = [type(model).__module__.split(".")[0], type(model).__name__]
-        print(f"{name}: {type(model).__name__}, {sum(q.numel() for q in model.parameters()) / 1e6:.1f}M parameters, "
-              f"{checkpoint_elements(model) / 1e6:.1f}M elements in its checkpoint")
+        numel = sum(q.numel() for q in model.parameters())
+        line = (f"{name}: {type(model).__name__}, {numel:,} parameters ({numel / 1e9:.3f}B), "
+                f"{checkpoint_elements(model) / 1e6:.1f}M elements in its checkpoint")
+        if args.random:
+            diffusers_model = hasattr(model, "save_config")
+            shard_gb = args.shard_gb or (10 if name == "transformer" else 5)
+            written = write_random(model, folder, "diffusion_pytorch_model.safetensors" if diffusers_model
+                                   else "model.safetensors", int(shard_gb * 1e9), args.device, generator)
+            save_config(model, folder)
+            line += f"; {written / 1e9:.2f} GB written, {time.perf_counter() - start:.0f} s since the start"
+        else:
+            write_header_only(model, os.path.join(folder, "model.safetensors"))
+        print(line, flush=True)
     with open(os.path.join(args.out, "model_index.json"), "w") as f:
         json.dump(index, f, indent=1)
 

@@ -10,7 +10,6 @@ python make_tiny_pipeline.py {flux,sd3,sdxl} OUT [--images N] [--resolution 32]
 import argparse
 import os
 import sys
-import string
 
 import numpy as np
 import torch
@@ -27,19 +26,14 @@ os.makedirs(a.out, exist_ok=True)
 
 import diffusers  # noqa: E402
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler  # noqa: E402
-from transformers import CLIPTextConfig, T5Config, T5EncoderModel, T5TokenizerFast  # noqa: E402
+from transformers import CLIPTextConfig, T5Config, T5EncoderModel  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import tiny_tokenizers  # noqa: E402
 
 clip_tokenizer = tiny_tokenizers.clip_tokenizer(os.path.join(a.out, "tok_src"))
 vocab = clip_tokenizer.get_vocab()
-
-# T5: a unigram vocabulary of single characters and a few words
-pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-pieces += [(c, -3.0) for c in string.ascii_letters + string.digits + string.punctuation]
-pieces += [("▁" + w, -1.0) for w in ("a", "photo", "of", "sks", "dog", "in", "the", "bucket")]
-t5_tokenizer = T5TokenizerFast(vocab=pieces, extra_ids=0)
+t5_tokenizer = tiny_tokenizers.t5_tokenizer()
 
 
 def clip(cls, hidden=32, layers=2):
@@ -50,7 +44,7 @@ def clip(cls, hidden=32, layers=2):
 
 
 def t5():
-    return T5EncoderModel(T5Config(vocab_size=len(pieces), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+    return T5EncoderModel(T5Config(vocab_size=len(t5_tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
                                    relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1))
 
 
