@@ -36,7 +36,8 @@
 # job on the same machine), DROP / NEED_GB ("" | /var/tmp/flux, 50), PEFT (carried | machine | auto), SETUP (1:
 # install the wheels unless installed, build cpu_adam and async_io), CKPT (1: one save_state at the last step; not
 # for KIND=full, whose save hook rejects its CLIPTextModel), KEEP_OUT (1 | 0: keep each run's output folder),
-# SCRIPT (the training script).
+# SCRIPT (the training script), SDPA (no-cudnn: cuDNN's attention off in both runs, as run 13 found its backward
+# broken for Flux on torch 2.11+cu130 / cuDNN 9.19; empty: torch's default).
 set -u
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 EXT=$REPO/.ext
@@ -257,7 +258,7 @@ train() {
     fi
     note "run $name: $(basename "$script") $config, ACCEL_DS_FIX=$fix, cap ${cap:-none}, timeout ${limit}s"
     local t=$SECONDS
-    (cd "$WORK" && env ACCEL_DS_FIX="$fix" PROBE_OUT="$RES/$name.json" PROBE_CAP_GIB="$cap" \
+    (cd "$WORK" && env ACCEL_DS_FIX="$fix" PROBE_OUT="$RES/$name.json" PROBE_CAP_GIB="$cap" PROBE_SDPA="${SDPA-no-cudnn}" \
         timeout -k 45 "$limit" python3 -m accelerate.commands.accelerate_cli launch --config_file "$config" \
         "$REPO/bench/diffusers/script_probe.py" "$script" \
         --pretrained_model_name_or_path "$M" --instance_data_dir "$WORK/instance" --instance_prompt "a photo of sks dog" \

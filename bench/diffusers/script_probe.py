@@ -15,6 +15,9 @@ Settings (environment):
 - PROBE_CAP_GIB: cap the card at this much (torch.cuda.set_per_process_memory_fraction) when the Accelerator is made,
   as a card of that size would be (the CUDA context and libraries' workspaces are outside the cap).
 - PROBE_SAMPLE_S: seconds between memory samples (default 1).
+- PROBE_SDPA=no-cudnn: turn off cuDNN's scaled-dot-product attention when the Accelerator is made. On torch
+  2.11+cu130 with cuDNN 9.19 its backward gives Flux wrong gradients (H100) or an illegal memory access (H200), with
+  or without DeepSpeed (docs/gpu.md, run 13; bench/diffusers/flux_backward_probe.py checks a stack).
 
 The report: every loss passed to accelerator.backward and the time of each call (step_times: the seconds between
 calls, i.e. one optimizer step each without gradient accumulation; under DeepSpeed, accelerate's backward also
@@ -206,6 +209,11 @@ def _patch(accelerate):
                 total = torch.cuda.get_device_properties(index).total_memory
                 torch.cuda.set_per_process_memory_fraction(float(cap) * 2**30 / total, index)
                 _state["cap_gib"] = float(cap)
+        if os.environ.get("PROBE_SDPA") == "no-cudnn":
+            import torch
+
+            torch.backends.cuda.enable_cudnn_sdp(False)
+            _state["sdpa"] = "no-cudnn"
         mark("accelerator")
 
     def prepare_(self, *args, **kwargs):
