@@ -376,9 +376,18 @@ def zero3_held_move(reference):
         seen["held"] = {name: sorted({str(p.device) for p in m.parameters()}) for name, m in
                         (("trained", trained), ("frozen", frozen))}
         seen["held_dtypes"] = sorted({str(p.dtype) for p in trained.parameters()})
+        # what the script sends to a held model follows its .device (kohya: img_tensors.to(vae.device))
+        seen["held_reports"] = [str(trained.device), str(frozen.device)]
+        # used before prepare() as kohya caches latents: its input sent to .device, then a forward
+        used = clip(4).requires_grad_(False)
+        used.to("meta")
+        with torch.no_grad():
+            out = used(torch.ones(1, TOKENS, dtype=torch.long).to(used.device))[0]
+        seen["used_before_prepare"] = [str(out.device), sorted({str(p.device) for p in used.parameters()})]
     opt = torch.optim.AdamW([*unet.parameters(), *trained.parameters()], lr=1e-2)
     unet, trained, opt, dl = acc.prepare(unet, trained, opt, data())
     seen["frozen_after_prepare"] = sorted({str(p.device) for p in frozen.parameters()})
+    seen["reports_after_prepare"] = str(frozen.device)
     seen["losses"] = train(acc, lambda ids, latents: unet(latents, trained(ids)[0]), opt, dl, (unet, trained))
     after = clip(3)
     after.to("meta")  # after prepare(): moved at once

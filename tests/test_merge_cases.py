@@ -167,6 +167,9 @@ def test_zero3_move_to_the_card_before_prepare_is_held_for_prepare_to_partition(
     fixed, reference = result(proc), result(scenario("zero3_held_move", "--reference"))
     assert fixed["held"] == {"trained": ["cpu"], "frozen": ["cpu"]}  # still in host memory, values kept
     assert fixed["held_dtypes"] == ["torch.bfloat16"]  # the dtype of the same .to() is applied at once
+    assert fixed["held_reports"] == ["meta", "meta"]  # .device: where the script sent it, for its inputs to follow
+    assert fixed["reports_after_prepare"] == "meta"
+    assert fixed["used_before_prepare"] == ["meta", ["meta"]]  # moved before its first forward
     assert fixed["frozen_after_prepare"] == ["meta"]  # not prepared: moved where the script asked, at prepare()
     assert fixed["losses"] == reference["losses"]  # partitioned from what was held: the same training
     assert fixed["losses"][-1] != fixed["losses"][0]

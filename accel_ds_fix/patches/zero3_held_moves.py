@@ -12,6 +12,10 @@ diffusers or transformers model is held: the dtype is applied at once, the devic
 - any other held model (a frozen VAE or text encoder) is moved to the card at that prepare(), or at its first
   forward if a script uses it before: where the script asked, only later.
 
+While a move is held the model's ``device`` reports where the script sent it, so that what the script sends to
+the model follows (kohya's `img_tensors.to(vae.device)` before caching latents; a pipeline's execution device for
+prior-preservation images): the move itself happens before the model's first forward.
+
 Models that zero.Init already partitioned (transformers' from_pretrained under ZeRO-3) are not held: their
 placeholders follow .to() and patches/zero3_unprepared.py makes them whole there. A move after prepare(), to the
 CPU, or of a plain torch module passes through unchanged.
@@ -55,6 +59,7 @@ def hold_back(wrapped, instance, args, kwargs):
     if memory_format is not None:
         wrapped(memory_format=memory_format)
     _release(instance)
+    _report_held_device(type(instance))
     reference = weakref.ref(instance)
     handles = [m.register_forward_pre_hook(lambda *_: _move_now(reference)) for m in instance.modules()]
     _held[instance] = (device, handles)
@@ -101,6 +106,23 @@ def _release(model):
     _, handles = _held.pop(model, (None, ()))
     for handle in handles:
         handle.remove()
+
+
+_device_properties = {}  # class -> its original ``device`` property
+
+
+def _report_held_device(cls):
+    """The ``device`` property of diffusers' and transformers' models answers with the held device for a held model."""
+    for owner in cls.__mro__:
+        original = owner.__dict__.get("device")
+        if isinstance(original, property) and owner not in _device_properties:
+            _device_properties[owner] = original
+
+            def device(self, _original=original):
+                held = _held.get(self)
+                return held[0] if held is not None else _original.fget(self)
+
+            setattr(owner, "device", property(device, original.fset, original.fdel, original.__doc__))
 
 
 def _is_model(module):
