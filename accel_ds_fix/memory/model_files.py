@@ -14,20 +14,22 @@ def numel(shape):
     return n
 
 
-def file_shapes(path):
-    """{tensor name: shape} of one .safetensors file, from its header."""
+def _tensors(path):
+    """{tensor name: its entry} of one .safetensors file's header (shape, dtype, data_offsets)."""
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
-    return {key: tuple(info["shape"]) for key, info in header.items() if key != "__metadata__"}
+    return {key: info for key, info in header.items() if key != "__metadata__"}
+
+
+def file_shapes(path):
+    """{tensor name: shape} of one .safetensors file, from its header."""
+    return {key: tuple(info["shape"]) for key, info in _tensors(path).items()}
 
 
 def file_bytes(path):
     """Bytes of the tensors of one .safetensors file, in the dtypes it stores them, from its header."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    return sum(info["data_offsets"][1] - info["data_offsets"][0] for key, info in header.items() if key != "__metadata__")
+    return sum(info["data_offsets"][1] - info["data_offsets"][0] for info in _tensors(path).values())
 
 
 def folder_bytes(folder):

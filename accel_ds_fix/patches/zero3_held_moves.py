@@ -29,6 +29,7 @@ import torch
 from .. import notices
 from ..gather import is_partitioned
 from ..lookup import deepspeed_config, uses_deepspeed
+from . import first_forward
 
 _MODEL_BASES = ("ModelMixin", "PreTrainedModel")  # diffusers' and transformers' model classes
 _armed = False
@@ -60,9 +61,7 @@ def hold_back(wrapped, instance, args, kwargs):
         wrapped(memory_format=memory_format)
     _release(instance)
     _report_held_device(type(instance))
-    reference = weakref.ref(instance)
-    handles = [m.register_forward_pre_hook(lambda *_: _move_now(reference)) for m in instance.modules()]
-    _held[instance] = (device, handles)
+    _held[instance] = (device, first_forward.watch(instance, _move_now))
     numel = sum(p.numel() for p in instance.parameters())
     notices.say(f"ZeRO-3: {type(instance).__name__}.to({device}) before prepare() is held back: its {numel:,} weights "
                 "stay in host memory, for prepare() to partition them from there; a model that is not prepared goes "
@@ -75,23 +74,18 @@ def at_prepare(models):
     """prepare() under ZeRO-3 with ``models`` among its arguments: those are the engine's to place; every other
     held model goes where its script asked. Moves after this one pass through."""
     global _armed
-    prepared = {id(m) for model in models for m in model.modules()}
+    prepared = first_forward.module_ids(models)
     for model in list(_held.keys()):
         if id(model) in prepared:
             _release(model)
         else:
-            _move_now(weakref.ref(model))
+            _move_now(model)
     _armed = False
 
 
-def is_held(model):
-    return model in _held
-
-
-def _move_now(reference):
+def _move_now(model):
     global _moving
-    model = reference()
-    if model is None or model not in _held:
+    if model not in _held:
         return
     device, _ = _held[model]
     _release(model)
@@ -104,8 +98,7 @@ def _move_now(reference):
 
 def _release(model):
     _, handles = _held.pop(model, (None, ()))
-    for handle in handles:
-        handle.remove()
+    first_forward.unwatch(handles)
 
 
 _device_properties = {}  # class -> its original ``device`` property

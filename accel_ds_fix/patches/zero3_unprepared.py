@@ -21,6 +21,7 @@ import weakref
 
 from .. import notices
 from ..gather import is_partitioned, shards
+from . import first_forward
 
 # What DeepSpeed's Init._convert_to_deepspeed_param puts on a parameter besides its ds_* attributes.
 _DEEPSPEED_PARAM_ATTRIBUTES = (
@@ -39,10 +40,7 @@ def watch_loaded(wrapped, instance, args, kwargs):
     if _engine_built and _has_partitioned_params(model):
         make_whole(model, device="cpu")
     elif _has_partitioned_params(model):
-        reference = weakref.ref(model)
-        # Every submodule: a script may call a part directly (text_encoder.get_input_embeddings()(ids)).
-        _watched[model] = [m.register_forward_pre_hook(lambda *_: _whole_on_first_use(reference))
-                           for m in model.modules()]
+        _watched[model] = first_forward.watch(model, make_whole)
     return model
 
 
@@ -51,7 +49,7 @@ def at_prepare(models):
     every other loaded model still partitioned is made whole now, while every process is here."""
     global _engine_built
     _engine_built = True
-    prepared = {id(m) for model in models for m in model.modules()}
+    prepared = first_forward.module_ids(models)
     for model in list(_watched.keys()):
         if id(model) in prepared:
             _stop_watching(model)
@@ -82,15 +80,8 @@ def make_whole(model, device=None):
     return len(params)
 
 
-def _whole_on_first_use(reference):
-    model = reference()
-    if model is not None:
-        make_whole(model)
-
-
 def _stop_watching(model):
-    for handle in _watched.pop(model, ()):
-        handle.remove()
+    first_forward.unwatch(_watched.pop(model, ()))
 
 
 def _has_partitioned_params(model):
