@@ -37,7 +37,8 @@
 # install the wheels unless installed, build cpu_adam and async_io), CKPT (1: one save_state at the last step; not
 # for KIND=full, whose save hook rejects its CLIPTextModel), KEEP_OUT (1 | 0: keep each run's output folder),
 # SCRIPT (the training script), SDPA (no-cudnn: cuDNN's attention off in both runs, as run 13 found its backward
-# broken for Flux on torch 2.11+cu130 / cuDNN 9.19; empty: torch's default).
+# broken for Flux on torch 2.11+cu130 / cuDNN 9.19; empty: torch's default), ZERO_SET (JSON laid over the z3
+# config's zero_optimization for a run named z3set in RUNS, e.g. RUNS="z3 z3set z3" to compare a tuning back to back).
 set -u
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 EXT=$REPO/.ext
@@ -213,6 +214,23 @@ print(f"plan for the z3 run ({tier}; recommended: {plan['recommended']}"
       f" ({plan['trainable']:,} trained parameters)")
 EOF
 [ -f "$CONFIG" ] || { note "ERROR: no $CONFIG (plan --write failed? $RES/${P}plan.txt)"; exit 2; }
+# the z3set run: the z3 run's config with ZERO_SET's keys laid over its zero_optimization (a tuning to compare)
+if [ -n "${ZERO_SET:-}" ]; then
+    CONFIG_SET=$WORK/cfg_set/$(basename "$CONFIG")
+    python3 - "$CONFIG" "$CONFIG_SET" "$ZERO_SET" <<'EOF' || { note "ERROR: cannot lay ZERO_SET over $CONFIG"; exit 2; }
+import json, os, re, sys
+source, target, changes = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+os.makedirs(os.path.dirname(target), exist_ok=True)
+text = open(source).read()
+name = re.search(r"deepspeed_config_file: *(\S+)", text).group(1)
+ds_path = name if os.path.isabs(name) else os.path.join(os.path.dirname(source), name)
+config = json.load(open(ds_path))
+config["zero_optimization"].update(changes)
+json.dump(config, open(os.path.join(os.path.dirname(target), "ds_set.json"), "w"), indent=2)
+open(target, "w").write(text.replace(name, "ds_set.json"))
+EOF
+    note "z3set: $CONFIG_SET, zero_optimization + $ZERO_SET"
+fi
 
 # --- the runs
 cat >"$WORK/plain.yaml" <<'EOF'
@@ -354,6 +372,7 @@ EOF
 for run in $RUNS; do
     case $run in
         z3) train z3 "$CONFIG" 1 "$CAP" "$T_Z3" "$SCRIPT" ;;
+        z3set) train z3set "${CONFIG_SET:?ZERO_SET is empty}" 1 "$CAP" "$T_Z3" "$SCRIPT" ;;
         plain) train plain "$WORK/plain.yaml" 0 "" "$T_PLAIN" "$SCRIPT_PLAIN" ;;
         *) note "unknown run $run" ;;
     esac
