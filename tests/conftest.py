@@ -18,13 +18,14 @@ SCENARIOS = Path(__file__).resolve().parent / "scenarios.py"
 
 
 def pytest_collection_modifyitems(items):
-    # The tests whose docstring says they take over 60 s start first, so that two workers do not end with one of
-    # them alone on a long test (each says why it is long: docs/tests.md).
-    def slow(item):
+    # The tests whose docstring says how long they take ("Over 60 s (94 s)", "About 30 s") start first, the
+    # longest first, so that two workers do not end with one of them alone on a long test (docs/tests.md).
+    def seconds(item):
         doc = getattr(getattr(item, "function", None), "__doc__", None) or ""
-        return "Over 60 s" in doc or "About 60 s" in doc
+        said = re.search(r"(?:Over|About) (\d+) s(?: \((\d+) s)?", doc)
+        return int(said.group(2) or said.group(1)) if said else 0
 
-    items.sort(key=lambda item: not slow(item))  # stable: the rest keep their order
+    items.sort(key=seconds, reverse=True)  # stable: the rest keep their order
 
 
 def result(proc):
@@ -96,7 +97,25 @@ def remove_shm_segments(port):
             pass
 
 
-def run(cmd, env=None, timeout=600, check=True, cwd=ROOT):
+_warm = None
+
+
+def warm_starter():
+    """This worker's warm start (tests/warm_start.py), made at its first use."""
+    global _warm
+    if _warm is None:
+        import atexit
+
+        import warm_start
+
+        _warm = warm_start.WarmStarter(clean_env(), ROOT)
+        atexit.register(_warm.close)
+    return _warm
+
+
+def run(cmd, env=None, timeout=600, check=True, cwd=ROOT, warm=False):
+    """subprocess.run with the suite's settings; ``warm``: a `python SCRIPT` run forked from a process that has
+    imported torch, accelerate and DeepSpeed already (tests/warm_start.py), where its environment allows."""
     def once():
         command, port = with_own_port(cmd)
         child_env = env or clean_env()
@@ -108,6 +127,9 @@ def run(cmd, env=None, timeout=600, check=True, cwd=ROOT):
             child_env = {**child_env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
                          "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
         try:
+            if warm and command[0] == sys.executable and command[1].endswith(".py") and \
+                    warm_starter().can_start(command, child_env):
+                return warm_starter().run(command, child_env, cwd, timeout, None)
             return subprocess.run(command, env=child_env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
         finally:
             if port is not None:  # the port is this run's alone, so are its segments
@@ -132,7 +154,7 @@ def train(tmp_path):
     def _train(*args, env=None, launcher=()):
         out = tmp_path / f"result{next(counter)}.json"
         script = [*launcher, EXAMPLE] if launcher else [sys.executable, EXAMPLE]
-        run([*script, *args, "--out", out], env=env)
+        run([*script, *args, "--out", out], env=env, warm=not launcher)
         return json.loads(out.read_text())
 
     return _train
@@ -140,10 +162,11 @@ def train(tmp_path):
 
 @pytest.fixture
 def scenario():
-    """Run one function of tests/scenarios.py in a fresh process; return (returncode, stdout, stderr)."""
+    """Run one function of tests/scenarios.py in a process of its own (forked warm: tests/warm_start.py); return
+    the CompletedProcess."""
 
     def _scenario(name, *args, check=True):
-        proc = run([sys.executable, SCENARIOS, name, *args], check=check)
+        proc = run([sys.executable, SCENARIOS, name, *args], check=check, warm=True)
         return proc
 
     return _scenario

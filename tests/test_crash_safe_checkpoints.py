@@ -30,7 +30,7 @@ REFUSED = "CheckpointError: accel_ds_fix: refusing to load "
 
 def child(fault, folder, script, *args, check=False):
     env = clean_env(ACCEL_DS_FIX_TEST_FAULT=fault, ACCEL_DS_FIX_TEST_FAULT_DIR=str(folder))
-    return run([sys.executable, CHILD, script, *args], env=env, check=check)
+    return run([sys.executable, CHILD, script, *args], env=env, check=check, warm=True)
 
 
 def resume_and_save(stage, folder, losses_file):
@@ -71,9 +71,9 @@ def kill_chain(tmp_path, stage, ckpt, expected, points):
 
 
 def test_killed_saves_zero2_offload_resume_the_previous_checkpoint_or_are_refused(train, tmp_path):
-    """Over 60 s (183 s on 2 cores, beside another worker): one launched training killed at each of the save's
-    points (before, inside and between its files, in the manifest, between the renames), each followed by a
-    resume in a new process; a kill is what is tested, so each needs its own process."""
+    """About 30 s (it took 183 s before the warm start): one training killed at each of the save's points
+    (before, inside and between its files, in the manifest, between the renames), each followed by a resume in a
+    new process; a kill is what is tested, so each needs a process of its own (forked warm: tests/warm_start.py)."""
     stage = STAGES["zero2-offload"]
     ckpt, expected, files = first_checkpoint(train, tmp_path, stage)
     # the 4 files of the issue, DeepSpeed's scripts and latest, and the manifest last
@@ -105,7 +105,7 @@ def test_killed_saves_zero2_offload_resume_the_previous_checkpoint_or_are_refuse
 
 def resume_from(stage, ckpt, step, out, check=True):
     return run([sys.executable, EXAMPLE, *stage, "--import-fix", "--resume", ckpt, "--first-step", str(step),
-                "--steps", "2", "--out", out], check=check)
+                "--steps", "2", "--out", out], check=check, warm=True)
 
 
 def after_save(stage, tmp_path):
@@ -158,7 +158,7 @@ def test_killed_saves_zero3_resume_the_previous_checkpoint(train, tmp_path):
     assert files == ["pytorch_model/zero_pp_rank_0_mp_rank_00_model_states.pt", *SAVED[1:]]
     kill_chain(tmp_path, stage, ckpt, expected, points)
     run([sys.executable, EXAMPLE, *stage, "--import-fix", "--resume", ckpt, "--first-step", "3", "--steps", "2",
-         "--out", tmp_path / "last.json"])
+         "--out", tmp_path / "last.json"], warm=True)
     assert json.loads((tmp_path / "last.json").read_text())["losses"] == expected
 
 
@@ -174,7 +174,7 @@ def test_altered_missing_and_extra_files_are_refused(train, tmp_path):
     (ckpt / "random_states_0.pkl").unlink()
     (ckpt / "notes.txt").write_text("x")
     proc = run([sys.executable, EXAMPLE, *stage, "--import-fix", "--resume", ckpt, "--first-step", "3",
-                "--steps", "2"], check=False)
+                "--steps", "2"], check=False, warm=True)
     assert proc.returncode != 0
     assert (f"{REFUSED}{ckpt}: it is not the checkpoint save_state wrote there (partial, mixed or altered): missing "
             "random_states_0.pkl; not written by the save: notes.txt; pytorch_model/mp_rank_00_model_states.pt has "
@@ -189,7 +189,7 @@ def test_diffusers_hook_files_are_part_of_the_checkpoint_and_a_kill_in_them_cost
     ckpt = tmp_path / "ckpt"
     first = tmp_path / "first.json"
     run([sys.executable, PATTERNS, "diffusers", "--zero-stage", "2", "--steps", "6", "--save-at", "3",
-         "--checkpoint", ckpt, "--out", first])
+         "--checkpoint", ckpt, "--out", first], warm=True)
     listed = json.loads((ckpt / "accel_ds_fix.json").read_text())["files"]
     assert "unet/weights.pt" in listed and "text_encoder/model.safetensors" in listed
     killed = child("torn:unet/weights.pt", ckpt, PATTERNS, "diffusers", "--zero-stage", "2", "--steps", "4",
@@ -197,12 +197,13 @@ def test_diffusers_hook_files_are_part_of_the_checkpoint_and_a_kill_in_them_cost
     assert killed.returncode == -9
     resumed = tmp_path / "resumed.json"
     run([sys.executable, PATTERNS, "diffusers", "--zero-stage", "2", "--steps", "3", "--resume", ckpt,
-         "--out", resumed])
+         "--out", resumed], warm=True)
     assert json.loads(resumed.read_text())["losses"] == json.loads(first.read_text())["losses"][3:]
 
 
 def test_automatic_checkpoint_naming_with_total_limit(tmp_path):
-    proc = run([sys.executable, Path(__file__).resolve().parent / "automatic_naming_child.py", tmp_path / "project"])
+    proc = run([sys.executable, Path(__file__).resolve().parent / "automatic_naming_child.py", tmp_path / "project"],
+               warm=True)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["saved"] == ["checkpoint_1", "checkpoint_2"]  # total_limit=2: checkpoint_0 deleted, as accelerate does
     assert out["manifests"] == [True, True]
@@ -226,7 +227,7 @@ def test_killed_saves_of_the_other_shipped_tiers_resume_the_previous_checkpoint(
     states = next(i for i, f in enumerate(files, 1) if "optim_states" in f)  # the child counts files from 1
     kill_chain(tmp_path, stage, ckpt, expected, ["closed:0", f"torn:{states}", f"closed:{states}"])
     run([sys.executable, EXAMPLE, *stage, "--import-fix", "--resume", ckpt, "--first-step", "3", "--steps", "2",
-         "--out", tmp_path / "last.json"])
+         "--out", tmp_path / "last.json"], warm=True)
     assert json.loads((tmp_path / "last.json").read_text())["losses"] == expected
 
 

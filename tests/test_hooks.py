@@ -15,8 +15,9 @@ PATTERNS = ROOT / "tests" / "hook_patterns.py"
 def pattern_run(tmp_path, *args):
     """An uninterrupted run that saves after 3 steps, then a new process resuming from that checkpoint."""
     ckpt, first, resumed = tmp_path / "ckpt", tmp_path / "first.json", tmp_path / "resumed.json"
-    run([sys.executable, PATTERNS, *args, "--steps", "6", "--save-at", "3", "--checkpoint", ckpt, "--out", first])
-    proc = run([sys.executable, PATTERNS, *args, "--steps", "3", "--resume", ckpt, "--out", resumed])
+    run([sys.executable, PATTERNS, *args, "--steps", "6", "--save-at", "3", "--checkpoint", ckpt, "--out", first],
+        warm=True)
+    proc = run([sys.executable, PATTERNS, *args, "--steps", "3", "--resume", ckpt, "--out", resumed], warm=True)
     return json.loads(first.read_text()), json.loads(resumed.read_text()), ckpt, proc
 
 

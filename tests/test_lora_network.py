@@ -22,7 +22,7 @@ def old_safetensors():
 
 def lora_run(tmp_path, old_safetensors, name, *args):
     out = tmp_path / "-".join([name, *(a.strip("-") for a in args)])
-    proc = run([sys.executable, RUNS, name, *args, "--out", out, "--old-safetensors", old_safetensors])
+    proc = run([sys.executable, RUNS, name, *args, "--out", out, "--old-safetensors", old_safetensors], warm=True)
     return json.loads((out / "result.json").read_text()), out, proc
 
 

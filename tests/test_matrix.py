@@ -47,8 +47,8 @@ def make_venv(path, requirements):
 
 @pytest.mark.parametrize("point", MATRIX, ids=MATRIX)
 def test_core_training_on_older_releases(point):
-    """About 60 s each: a venv of its own per accelerate/DeepSpeed release (made once, then reused from
-    .venvs/), and the training launched in it with and without the fix."""
+    """About 20 s each (2 minutes more the first time): a venv of its own per accelerate/DeepSpeed release (made
+    once, then reused from .venvs/), and the training launched in it with and without the fix."""
     py = make_venv(ROOT / ".venvs" / point, MATRIX[point])
     accelerate, deepspeed = MATRIX[point][0].split("==")[1], MATRIX[point][1].split("==")[1]
     probe = "from importlib.metadata import version as v; print(v('accelerate'), v('deepspeed'))"

@@ -186,7 +186,7 @@ def test_load_hook_failing_in_its_deepspeed_branch_is_explained_and_can_be_skipp
     assert "diffusers' train_dreambooth_lora_sd3.py rebuilds its models there from the base model" in stderr
     assert "ACCEL_DS_FIX_LOAD_HOOKS=skip" in stderr
     proc = run([sys.executable, SCENARIOS, "load_hook_with_deepspeed_branch"],
-               env=clean_env(ACCEL_DS_FIX_LOAD_HOOKS="skip"))
+               env=clean_env(ACCEL_DS_FIX_LOAD_HOOKS="skip"), warm=True)
     assert result(proc) == {"restored": True}  # DeepSpeed's checkpoint brought every weight back
     assert "1 load hook(s) of the script not run (ACCEL_DS_FIX_LOAD_HOOKS=skip)" in proc.stderr
 
@@ -249,7 +249,7 @@ def test_nvme_sub_groups_kept_in_ram_beyond_the_host_are_named_with_what_fits(sc
 
 def test_memory_check_setting_not_understood_is_said_and_the_check_stays_on():
     proc = run([sys.executable, SCENARIOS, "too_large_for_host"], env=clean_env(ACCEL_DS_FIX_MEMORY_CHECK="wran"),
-               check=False)
+               check=False, warm=True)
     assert proc.returncode != 0
     assert ("ACCEL_DS_FIX_MEMORY_CHECK='wran' is not understood: use error (the default), warn or off; checking as "
             "error.") in proc.stderr

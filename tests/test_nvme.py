@@ -36,7 +36,7 @@ def disk_folder(request):
 
 
 def probe(swap, mode, *args):
-    proc = run([sys.executable, PROBE, swap, *args], env=clean_env(ACCEL_DS_FIX_NVME_GRADIENTS=mode))
+    proc = run([sys.executable, PROBE, swap, *args], env=clean_env(ACCEL_DS_FIX_NVME_GRADIENTS=mode), warm=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -114,8 +114,8 @@ def test_an_nvme_checkpoint_resumes_as_if_never_interrupted_in_its_layout_and_un
 
 
 def test_a_run_killed_in_the_middle_of_a_pipelined_step_resumes_its_checkpoint(disk_folder):
-    """Over 60 s (66 s): three launched runs (the uninterrupted one, the one killed with kill -9 in a step, the
-    resume), each swapping to a real disk."""
+    """About 20 s: three runs (the uninterrupted one, the one killed with kill -9 in a step, the resume), each
+    swapping to a real disk."""
     # kill -9 while a sub group's write is in flight and the next one is being read, as the shipped tier runs
     # (its last sub groups in RAM): the swap folder is left half-stepped; a new run resuming the checkpoint gives
     # the losses of a clean resume, which are the uninterrupted run's, bit for bit.
@@ -128,7 +128,7 @@ def test_a_run_killed_in_the_middle_of_a_pipelined_step_resumes_its_checkpoint(d
     groups = clean["swapped_sub_groups"]
     assert groups >= 2 and clean["sub_groups_in_ram"] and clean["losses"] == whole["losses"][3:]
     killed = run([sys.executable, PROBE, swap, *resume, "--kill-at-swap-out", str(groups + groups // 2)],
-                 env=clean_env(), check=False)
+                 env=clean_env(), check=False, warm=True)
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert '"losses"' not in killed.stdout  # it died in its second step, before its results
     after = probe(swap, "host", *resume)
@@ -136,7 +136,7 @@ def test_a_run_killed_in_the_middle_of_a_pipelined_step_resumes_its_checkpoint(d
 
 
 def test_a_budget_that_is_not_one_is_refused_before_anything_is_allocated(disk_folder):
-    proc = run([sys.executable, PROBE, disk_folder / "bad", "--ram-gib", "-1"], env=clean_env(), check=False)
+    proc = run([sys.executable, PROBE, disk_folder / "bad", "--ram-gib", "-1"], env=clean_env(), check=False, warm=True)
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert ("ConfigError: accel_ds_fix: accel_ds_fix.nvme_optimizer_ram_gib in the DeepSpeed config is -1.0; it must "
             "be a number of GiB, 0 or more") in proc.stderr and "Nothing was allocated" in proc.stderr
@@ -326,7 +326,7 @@ def test_swap_files_of_a_killed_run_are_removed_and_a_live_run_is_never_clobbere
         while not list(disk_folder.rglob("*.tensor.swp")) and live.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
         assert live.poll() is None and list(disk_folder.rglob("*.tensor.swp")), "the long run swapped nothing"
-        second = run([sys.executable, EXAMPLE, *stage, "--steps", "2"], env=clean_env(), check=False)
+        second = run([sys.executable, EXAMPLE, *stage, "--steps", "2"], env=clean_env(), check=False, warm=True)
         assert second.returncode != 0
         assert (f"ConfigError: accel_ds_fix: the NVMe folder {disk_folder} is in use by another run (pid {live.pid}: "
                 in second.stderr)
@@ -340,7 +340,7 @@ def test_swap_files_of_a_killed_run_are_removed_and_a_live_run_is_never_clobbere
     assert left > 0  # kill -9: DeepSpeed removed nothing
     # a dead two-process run's second process folder, which a one-process run does not use
     shutil.copytree(disk_folder / "zero_stage_3" / "optimizer" / "rank0", disk_folder / "zero_stage_3" / "optimizer" / "rank1")
-    after = run([sys.executable, EXAMPLE, *stage, "--steps", "2"], env=clean_env())
+    after = run([sys.executable, EXAMPLE, *stage, "--steps", "2"], env=clean_env(), warm=True)
     assert (f"removed {left / 2**20:.1f} MiB of NVMe swap files in {disk_folder} (process 0) that a run which did not "
             "end cleanly left; this run swaps into their place") in after.stderr
     assert (f"{disk_folder} also holds {left / 2**20:.1f} MiB of NVMe swap files that dead runs left (process folders "

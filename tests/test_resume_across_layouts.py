@@ -64,6 +64,8 @@ def said(stderr, words):
 
 
 def test_zero2_checkpoint_resumes_under_zero3_with_its_states_and_another_precision_is_refused(tmp_path):
+    """About 60 s: five trainings through `accelerate launch` (the uninterrupted one, the resume in each layout,
+    the refusal), each a new process set, as a resume in another layout is."""
     ckpt = tmp_path / "ckpt"
     uninterrupted, _ = train(tmp_path, "zero2", "zero2", 1, "--steps", "8", "--save-state", ckpt,
                              "--save-state-at", "4")
@@ -175,7 +177,8 @@ def test_round_trip_through_two_processes_zero3_and_nvme_keeps_every_state(tmp_p
     processes ZeRO-2 -> 1 process ZeRO-2 + CPU offload, each hop loading the previous hop's checkpoint in another
     layout and saving it again without a step: the last one continues exactly as the uninterrupted run. Width 512:
     NVMe offload swaps the sub groups out (over aio's 1 MiB).
-    Over 60 s (110 s): seven launched hops, each a new process set, as a resume in another layout is."""
+    Over 60 s (75 s): seven hops launched through `accelerate launch`, each a new process set, as a resume in
+    another layout is."""
     wide = ["--width", "512"]
     first = tmp_path / "first"
     uninterrupted, _ = train(tmp_path, "first", "zero2-offload", 1, *wide, "--steps", "7", "--save-state", first,

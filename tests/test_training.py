@@ -30,7 +30,7 @@ def test_losses_equal_hand_written_merge(train, config):
 
 
 def test_without_fix_accelerate_refuses_two_models():
-    proc = run([sys.executable, EXAMPLE, "--zero-stage", "2"], check=False)
+    proc = run([sys.executable, EXAMPLE, "--zero-stage", "2"], check=False, warm=True)
     assert proc.returncode != 0
     assert "You can't use same `Accelerator()` instance with multiple models when using DeepSpeed" in proc.stderr
 
@@ -71,7 +71,7 @@ def test_clipping_notice_says_what_the_engine_does(tmp_path):
     for clipping in ("auto", "1.0", "0"):
         out = tmp_path / f"{clipping}.json"
         proc = run([sys.executable, EXAMPLE, "--zero-stage", "2", "--import-fix", "--steps", "4",
-                    "--gradient-clipping", clipping, "--out", out])
+                    "--gradient-clipping", clipping, "--out", out], warm=True)
         runs[clipping] = (json.loads(out.read_text())["losses"], proc.stderr)
     assert runs["auto"][0] == runs["1.0"][0] != runs["0"][0]  # clipping at 1.0 changes these steps
     assert ("the DeepSpeed engine clips the gradients' norm to 1 at every step (the DeepSpeed config's "

@@ -15,7 +15,7 @@ PATTERNS = ROOT / "tests" / "gan_patterns.py"
 
 def pattern(tmp_path, name, *args, check=True):
     out = tmp_path / f"{name}-{abs(hash(args))}.json"
-    proc = run([sys.executable, PATTERNS, name, *args, "--out", out], check=check)
+    proc = run([sys.executable, PATTERNS, name, *args, "--out", out], check=check, warm=True)
     return (json.loads(out.read_text()) if out.exists() else None), proc
 
 

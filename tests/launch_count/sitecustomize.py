@@ -12,7 +12,9 @@ LOG = os.environ.get("ACCEL_DS_FIX_TEST_LAUNCH_LOG")
 
 def _write():
     with open(LOG, "a") as f:
-        f.write(f"{os.getpid()} deepspeed={'deepspeed' in sys.modules} {' '.join(sys.argv)[:160]}\n")
+        # warm: forked from tests/warm_start.py, whose imports it shares (its atexit runs this too)
+        warm = os.path.basename(getattr(sys.modules.get("__main__"), "__file__", "") or "") == "warm_start.py"
+        f.write(f"{os.getpid()} deepspeed={'deepspeed' in sys.modules} warm={warm} {' '.join(sys.argv)[:160]}\n")
 
 
 if LOG:
