@@ -608,6 +608,42 @@ def weight_write_outside_forward(reference):
 
 
 @scenario
+def textual_inversion(reference):
+    # The textual inversion scripts' pattern (diffusers' textual_inversion.py, the advanced DreamBooth scripts'
+    # retract_embeddings): a CLIP text encoder with only its input embedding trainable, prepared beside a UNet;
+    # after each step every row but the new token's is put back by a write to the weight. argv[2]: the ZeRO stage;
+    # ZeRO-3 with every weight partitioned, as CLIP-L's 38M-element embedding is at real size.
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    stage = int(sys.argv[2])
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
+    acc = accelerator(config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                              "zero_optimization": zero})
+    if reference:
+        accel_ds_fix.uninstall()
+    set_seed(0)
+    unet = TinyUNet()
+    te = CLIPTextModel(CLIPTextConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, max_position_embeddings=TOKENS, projection_dim=WIDTH))
+    te.requires_grad_(False)
+    te.get_input_embeddings().weight.requires_grad_(True)
+    original = te.get_input_embeddings().weight.detach().clone()
+    opt = torch.optim.AdamW([*unet.parameters(), te.get_input_embeddings().weight], lr=1e-2)
+    unet, te, opt, dl = acc.prepare(unet, te, opt, data())
+    keep = torch.arange(VOCAB) != 2  # the new token's row trains
+    losses = []
+    for ids, latents in dl:
+        loss = torch.nn.functional.mse_loss(unet(latents, te(ids).last_hidden_state), latents)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            acc.unwrap_model(te).get_input_embeddings().weight[keep] = original[keep]
+        losses.append(loss.item())
+    return {"losses": losses}
+
+
+@scenario
 def save_after_end_training(reference):
     # kohya's train_db.py / train_network.py: accelerator.end_training(), then the final save_state and model save.
     acc = accelerator(zero_stage=int(sys.argv[2]))

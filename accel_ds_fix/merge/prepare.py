@@ -11,7 +11,7 @@ from ..lookup import deepspeed_config, uses_deepspeed
 from ..memory import check as memory_check
 from ..patches import (clipping, cpu_threads, gpu_block_release, old_accelerate, zero3_dtypes,
                        zero3_held_moves, zero3_host_partition, zero3_unprepared)
-from . import engine_per_optimizer, engine_setup, gradient_explanation, trainability
+from . import engine_per_optimizer, engine_setup, gradient_explanation, textual_inversion, trainability
 from .merge_plan import MergePlan, is_optimizer
 from .merged_module import MergedModels
 
@@ -49,6 +49,7 @@ def prepare(wrapped, instance, args, kwargs):
         args = old_accelerate.with_cpu_adam(args)
     models = [obj for obj in args if isinstance(obj, torch.nn.Module)]
     if models and zero.get("stage") == 3:  # an engine is built here, on every process together
+        textual_inversion.refuse(models, [type(m).__name__ for m in models], zero)
         zero3_held_moves.at_prepare(models)
         zero3_unprepared.at_prepare(models)
     if models:  # one model too: without the op DeepSpeed would stop halfway through building the engine
