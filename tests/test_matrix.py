@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import venv
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,41 @@ CORE_TESTS = "zero2] or zero3] or zero2-cpu-offload] or without_fix"
 LOADING_TEST = "low_cpu_mem_usage"
 
 
+def link_torch(site_packages):
+    """This suite's torch (the CPU build every venv here uses) and what it requires, hard-linked into another venv's
+    site-packages with their metadata, so that pip finds it installed: unpacking the 200 MB wheel took most of a
+    venv's minute, three times on a fresh clone. False where a link cannot be made (another file system)."""
+    import importlib.metadata as metadata
+    import re
+    import shutil
+
+    seen, todo = set(), ["torch"]
+    while todo:
+        name = re.split(r"[\s;<>=!~\[(]", todo.pop(), maxsplit=1)[0].lower().replace("_", "-")
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        todo += [r for r in dist.requires or () if "extra ==" not in r]
+        for file in dist.files or ():
+            source = Path(dist.locate_file(file)).resolve()
+            target = site_packages / file
+            if not source.is_file() or not str(target.resolve()).startswith(str(site_packages)):
+                continue  # scripts in bin/ and the like
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(source, target)
+            except FileExistsError:
+                pass
+            except OSError:
+                shutil.rmtree(site_packages / "torch", ignore_errors=True)
+                return False
+    return True
+
+
 def make_venv(path, requirements):
     marker = path / ".installed"
     if marker.exists():
@@ -37,7 +73,10 @@ def make_venv(path, requirements):
     venv.create(path, with_pip=True, clear=True)
     py = path / "bin" / "python"
     pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    run([*pip, "torch==2.13.0", "setuptools", "wheel"], timeout=900)  # the local CPU build, first
+    site_packages = next((path / "lib").glob("python3*/site-packages"))
+    if not link_torch(site_packages):
+        run([*pip, "torch==2.13.0"], timeout=900)  # the local CPU build, first
+    run([*pip, "torch==2.13.0", "setuptools", "wheel"], timeout=900)  # already there: checked, not installed
     # DeepSpeed is an sdist whose setup.py imports torch: build it against this venv's torch.
     run([*pip, "--no-build-isolation", *requirements, "wrapt>=2", "ninja", "pytest"], timeout=900)
     run([*pip, "--no-deps", "--no-build-isolation", "-e", ROOT], timeout=300)

@@ -17,6 +17,7 @@ SCRIPT = textwrap.dedent("""
     print("argv", sys.argv[1:], "cwd", os.getcwd(), "setting", os.environ.get("WARM_TEST_SETTING"))
     print("fix imported", "accel_ds_fix" in sys.modules, "deepspeed imported", "deepspeed" in sys.modules)
     print("to stderr", file=sys.stderr)
+    sys.stdout.flush()  # before a kill: unflushed output is lost by a fresh process as by a warm one
     if how == "exit":
         sys.exit(3)
     if how == "raise":
@@ -77,9 +78,14 @@ def test_a_warm_child_past_its_time_is_killed_as_subprocess_run_would(script, tm
     assert run([sys.executable, script, "ok"], warm=True).returncode == 0
 
 
-def test_a_setting_read_at_start_gets_a_fresh_process(script):
-    # OpenMP reads OMP_NUM_THREADS when torch loads it, which the server did before any request
-    fresh_only = run([sys.executable, script, "ok"], env=clean_env(OMP_NUM_THREADS="1"), warm=True)
+@pytest.mark.parametrize("setting", [{"OMP_NUM_THREADS": "1"}, {"PYTHONUNBUFFERED": "1"}])
+def test_a_setting_read_at_start_gets_a_fresh_process(script, setting):
+    # OpenMP reads OMP_NUM_THREADS when torch loads it, the interpreter PYTHONUNBUFFERED as it starts: the server
+    # did both before any request
+    setting = {k: v for k, v in setting.items() if os.environ.get(k) != v}
+    if not setting:
+        pytest.skip("the suite itself runs with this setting")
+    fresh_only = run([sys.executable, script, "ok"], env=clean_env(**setting), warm=True)
     assert "deepspeed imported False" in fresh_only.stdout
     warm = run([sys.executable, script, "ok"], warm=True)
     assert "deepspeed imported True" in warm.stdout

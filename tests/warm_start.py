@@ -112,9 +112,11 @@ if __name__ == "__main__":
 
 # Read at import or at the loading of a library (the dynamic loader, OpenMP, the .pth that activates the fix), so a
 # run that sets one of these otherwise than the server's environment starts a real process instead.
-READ_AT_START = ("ACCEL_DS_FIX", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONHASHSEED", "LD_LIBRARY_PATH",
-                 "LD_PRELOAD", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "KMP_AFFINITY", "GOMP_CPU_AFFINITY",
-                 "DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES", "TMPDIR")
+# Every PYTHON* variable is too (PYTHONUNBUFFERED, PYTHONWARNINGS, PYTHONPATH ...: the interpreter reads them as it
+# starts), and so are the locale's (the encoding of stdout).
+READ_AT_START = ("ACCEL_DS_FIX", "LD_LIBRARY_PATH", "LD_PRELOAD", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "KMP_AFFINITY",
+                 "GOMP_CPU_AFFINITY", "DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES", "TMPDIR", "LANG", "LC_ALL", "LC_CTYPE")
+READ_AT_START_PREFIXES = ("PYTHON",)
 
 
 # A run whose point is the order of its imports: the fix activated before accelerate is imported.
@@ -126,7 +128,8 @@ class WarmStarter:
         self.env, self.cwd, self.server, self.buffer = dict(env), cwd, None, b""
 
     def can_start(self, argv, env):
-        return all(env.get(key) == self.env.get(key) for key in READ_AT_START) and \
+        keys = set(READ_AT_START) | {k for k in {*env, *self.env} if k.startswith(READ_AT_START_PREFIXES)}
+        return all(env.get(key) == self.env.get(key) for key in keys) and \
             not any(str(arg) in ABOUT_IMPORT_ORDER for arg in argv)
 
     def _answer(self, timeout=None):
