@@ -49,6 +49,12 @@ def link_torch(site_packages):
             dist = metadata.distribution(name)
         except metadata.PackageNotFoundError:
             continue
+        # what the new venv has already (pip and setuptools from venv.create) stays its own: files of two releases
+        # mixed in one folder break it
+        folder_name = dist.metadata["Name"].replace("-", "_")
+        if any(site_packages.glob(f"{folder_name}-*.dist-info")) or \
+                any(site_packages.glob(f"{folder_name.lower()}-*.dist-info")):
+            continue
         todo += [r for r in dist.requires or () if "extra ==" not in r]
         for file in dist.files or ():
             source = Path(dist.locate_file(file)).resolve()
