@@ -129,7 +129,7 @@ def run(cmd, env=None, timeout=600, check=True, cwd=ROOT, warm=False):
         try:
             if warm and command[0] == sys.executable and command[1].endswith(".py") and \
                     warm_starter().can_start(command, child_env):
-                return warm_starter().run(command, child_env, cwd, timeout, None)
+                return warm_starter().run(command, child_env, cwd, timeout)
             return subprocess.run(command, env=child_env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
         finally:
             if port is not None:  # the port is this run's alone, so are its segments

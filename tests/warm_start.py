@@ -12,9 +12,14 @@ never imported here, so a run without it (a reference) stays without it.
 
 import json
 import os
+import select
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
+import time
+from pathlib import Path
 
 # What every run would import first; nothing here may start a Python thread or ask the machine anything a test
 # checks (py-cpuinfo's subprocess, bitsandbytes).
@@ -133,9 +138,6 @@ class WarmStarter:
             not any(str(arg) in ABOUT_IMPORT_ORDER for arg in argv)
 
     def _answer(self, timeout=None):
-        import select
-        import time
-
         deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self.buffer:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -149,21 +151,16 @@ class WarmStarter:
         return json.loads(line)
 
     def _start(self):
-        import subprocess
-
         self.server = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, env=self.env, cwd=self.cwd)
         assert "ready" in self._answer(timeout=300), "warm_start: the server did not start"
 
-    def run(self, argv, env, cwd, timeout, folder):
+    def run(self, argv, env, cwd, timeout):
         """subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout), argv[0] being
-        sys.executable, the child forked from the server; its output passes through files in ``folder``."""
-        import subprocess
-        import tempfile
-
+        sys.executable, the child forked from the server; its output passes through files in a temporary folder."""
         if self.server is None or self.server.poll() is not None:
             self._start()
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        with tempfile.TemporaryDirectory() as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
             for path in (out, err):
                 open(path, "w").close()
@@ -180,7 +177,7 @@ class WarmStarter:
                 except ProcessLookupError:
                     pass
                 answer = self._answer()
-            stdout, stderr = open(out, errors="replace").read(), open(err, errors="replace").read()
+            stdout, stderr = (Path(path).read_text(errors="replace") for path in (out, err))
         if timed_out:
             raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
         return subprocess.CompletedProcess(list(argv), answer["returncode"], stdout, stderr)

@@ -47,10 +47,13 @@ def refuse(models, labels, zero):
     threshold = _persistence_threshold(zero)
     for model, label in zip(models, labels):
         weight = _inverted_embedding(model)
-        if weight is None or _elements(weight) <= threshold:
+        if weight is None:
+            continue
+        elements = _elements(weight)
+        if elements <= threshold:
             continue
         raise ConfigError(
-            f"accel_ds_fix: {label} trains only its input embedding ({_elements(weight):,} elements): a textual "
+            f"accel_ds_fix: {label} trains only its input embedding ({elements:,} elements): a textual "
             "inversion, under DeepSpeed ZeRO stage 3. Textual inversion scripts write rows of that embedding after "
             "each step, putting back every token but the new ones (diffusers' textual_inversion.py and the advanced "
             "DreamBooth scripts' retract_embeddings, kohya's train_textual_inversion.py), and under ZeRO-3 the "
