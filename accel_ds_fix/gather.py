@@ -14,7 +14,8 @@ DeepSpeed's own checkpointing calls ``state_dict()`` on the merged module, which
 non-empty prefix: those calls are left to DeepSpeed untouched.
 
 Gathering is a collective: with several processes, every process must ask for the state dict together
-(the same rule accelerate states for ``get_state_dict`` under ZeRO-3).
+(the same rule accelerate states for ``get_state_dict`` under ZeRO-3), except for what checkpoints/read_alone.py
+keeps for a read on the main process alone.
 """
 
 import torch
@@ -64,11 +65,14 @@ def _separate_full_tensors(module, state_dict, prefix, local_metadata):
     # One parameter at a time, each copied to the host: copying (or gathering) the whole model at once would put
     # a second full copy of its weights on the card (1.6 GiB for SD1.5's UNet in fp16), more than a 6 GB card has
     # left in training.
-    copies = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        # state_dict(keep_vars=True) holds the parameters themselves: that caller wants them, not copies.
-        if name not in state_dict or state_dict[name] is param or not copied_by_hook(param):
-            continue
+    # state_dict(keep_vars=True) holds the parameters themselves: that caller wants them, not copies.
+    named = [(name, param) for name, param in module.named_parameters(remove_duplicate=False)
+             if name in state_dict and state_dict[name] is not param and copied_by_hook(param)]
+    from .checkpoints import read_alone  # (imports this module)
+
+    # with several processes, what needs no collective now (a read on the main process alone)
+    copies = read_alone.full_values(module, [param for _, param in named])
+    for name, param in named:
         if id(param) not in copies:  # tied under several names: one copy, shared as the model shares it
             copies[id(param)] = _host_copy(param)
         state_dict[name] = copies[id(param)]

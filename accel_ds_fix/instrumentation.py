@@ -24,6 +24,7 @@ PATCHES = {
         "Accelerator.save_state": "checkpoints.save_load.save_state",
         "Accelerator.load_state": "checkpoints.save_load.load_state",
         "Accelerator.end_training": "patches.end_training.end_training",
+        "Accelerator.wait_for_everyone": "checkpoints.read_alone.snapshot_at_barrier",
     },
     # optimizer offload: no import of bitsandbytes only to learn that the optimizer is not one of its classes
     "accelerate.utils.deepspeed": {

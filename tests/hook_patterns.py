@@ -98,6 +98,8 @@ def parse_args():
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--save-at", type=int, default=0)
     p.add_argument("--checkpoint")
+    p.add_argument("--save-on-main-only", action="store_true")  # diffusers' DreamBooth scripts up to v0.40
+    p.add_argument("--export-on-main-only", action="store_true")  # every diffusers script's final export
     p.add_argument("--resume")
     p.add_argument("--unfreeze-after-prepare", action="store_true")
     p.add_argument("--embedding-in-optimizer", action="store_true")
@@ -114,6 +116,8 @@ def main():
         PartialState(backend="gloo")
     plugin = DeepSpeedPlugin(zero_stage=args.zero_stage, offload_optimizer_device=args.offload,
                              zero3_save_16bit_model=True)
+    if args.export_on_main_only and args.zero_stage == 3:  # every weight partitioned, as at real size
+        plugin.deepspeed_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     accelerator = Accelerator(deepspeed_plugin=plugin)
     seen = {"save_hook": [], "load_hook": []}
     set_seed(0)
@@ -240,10 +244,24 @@ def main():
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-        if args.checkpoint and len(losses) == args.save_at:
+        saves_here = accelerator.is_main_process or not args.save_on_main_only
+        if args.checkpoint and len(losses) == args.save_at and saves_here:
             accelerator.save_state(args.checkpoint)
             seen["accelerate_model_files"] = sorted(set(os.listdir(args.checkpoint)) & set(ACCELERATE_MODEL_FILES))
     seen["losses"] = losses
+    if args.export_on_main_only:  # as the scripts end: a barrier, then the export on the main process alone
+        from peft import get_peft_model_state_dict
+
+        accelerator.wait_for_everyone()
+        alone = get_peft_model_state_dict(unwrap(unet)) if accelerator.is_main_process else None
+        frozen_alone = {k: tuple(v.shape) for k, v in unwrap(unet).state_dict().items()
+                        if "lora_" not in k} if accelerator.is_main_process else None
+        together = get_peft_model_state_dict(unwrap(unet))  # every process: ZeRO-3 gathers it
+        if accelerator.is_main_process:
+            seen["export_alone"] = {"keys": sorted(alone), "equal": all(torch.equal(alone[k], together[k])
+                                                                           for k in together),
+                                    "lora_B_nonzero": sum(bool(v.any()) for k, v in alone.items() if "lora_B" in k),
+                                    "frozen_shapes": frozen_alone}
     if accelerator.is_main_process:
         Path(args.out).write_text(json.dumps(seen))
     # As diffusers' and kohya's scripts end. A gloo process group left to interpreter shutdown can abort a rank

@@ -306,6 +306,7 @@ def zero3_frozen_unprepared(reference):
     before = "--used-before-prepare" in sys.argv
     folder = tempfile.mkdtemp()
     plain_t5 = _save_flux_text_encoders(folder)
+    saved = {k: v.clone() for k, v in plain_t5.state_dict().items()}  # the checkpoint, as written
     dtype = torch.float32 if before else torch.bfloat16
     ids = torch.randint(0, VOCAB, (2, TOKENS), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():  # the loaded weights are the checkpoint's in bf16 (the config's), then in `dtype`
@@ -338,8 +339,8 @@ def zero3_frozen_unprepared(reference):
     with deepspeed.zero.GatheredParameters(list(clip.parameters())):
         clip_changed = sum(not torch.equal(p, clip_at_start[n]) for n, p in acc.unwrap_model(clip).named_parameters())
     # the scripts reload the pipeline after training to save it: what save_pretrained writes is its state_dict
+    # (built whole, as without DeepSpeed: in the checkpoint's dtype, and with no collective to wait in)
     reloaded = T5EncoderModel.from_pretrained(f"{folder}/t5").state_dict()
-    saved = plain_t5.to(torch.bfloat16).state_dict()
     reload_equal = reloaded.keys() == saved.keys() and all(torch.equal(reloaded[k], saved[k]) for k in saved)
     return {"losses": losses, "loaded_partitioned": loaded_partitioned, "whole_after_prepare": whole_after_prepare,
             "reloaded_after_training_equal": reload_equal,

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, run
+from conftest import ROOT, clean_env, run
 
 PATTERNS = ROOT / "tests" / "hook_patterns.py"
 
@@ -82,6 +82,38 @@ def test_trainability_changed_after_prepare_resumes_and_is_said(tmp_path, stage)
     said = [line for line in proc.stderr.splitlines() if "made trainable after accelerator.prepare()" in line]
     assert len(said) == 1
     assert "(models.tinytextencoder.embed.weight): DeepSpeed's optimizer does not own them, so they are not updated" in said[0]
+
+
+def test_save_state_on_the_main_process_only_is_named_instead_of_waited_on(tmp_path):
+    # diffusers' DreamBooth scripts up to v0.40 call save_state under `if accelerator.is_main_process:`; each
+    # process writes its own part of a DeepSpeed checkpoint, so the main process would wait forever.
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
+              "--zero_stage", "2", "--mixed_precision", "no", "--num_machines", "1"]
+    ckpt = tmp_path / "out" / "checkpoint-3"
+    proc = run([*launch, PATTERNS, "diffusers", "--steps", "6", "--save-at", "3", "--checkpoint", ckpt,
+                "--save-on-main-only", "--out", tmp_path / "r.json"], check=False, timeout=300,
+               env=clean_env(ACCEL_DS_FIX_SAVE_WAIT_S="5"))
+    assert proc.returncode != 0
+    assert (f"CheckpointError: accel_ds_fix: save_state({ckpt}) was called on process 0 but not on process(es) 1 "
+            "within 5 s") in proc.stderr
+    assert "accelerator.distributed_type == DistributedType.DEEPSPEED" in proc.stderr
+    assert not (tmp_path / "out").exists()  # nothing of it written, not even its folder
+
+
+def test_two_processes_zero3_lora_export_on_the_main_process_alone(tmp_path):
+    # Every diffusers script exports after training on the main process alone; under ZeRO-3 each weight is
+    # partitioned across the processes, and a gather there alone waited for the others, which had left.
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
+              "--zero_stage", "3", "--mixed_precision", "no", "--num_machines", "1"]
+    out = tmp_path / "r.json"
+    proc = run([*launch, PATTERNS, "lora", "--zero-stage", "3", "--steps", "3", "--export-on-main-only",
+                "--out", out], timeout=300)
+    export = json.loads(out.read_text())["export_alone"]
+    assert export["equal"] and len(export["keys"]) == 6  # the trained weights: whole, as every process reads them
+    assert export["lora_B_nonzero"] == 3
+    # the frozen base stays partitioned: shape-[0] shards in a state dict read alone, said once
+    assert export["frozen_shapes"] and all(shape == [0] for shape in export["frozen_shapes"].values())
+    assert "state_dict() of TinyUNet on process 0 alone: its" in proc.stderr
 
 
 def test_two_processes_zero3_save_hook_on_the_main_process_only(tmp_path):

@@ -58,5 +58,10 @@ def test_textual_inversion_under_zero3_is_refused_in_prepare_and_trains_under_ze
                   env=clean_env(ACCEL_DS_FIX_ZERO3_TEXTUAL_INVERSION="allow"))
     assert allowed.returncode != 0 and "IndexError: The shape of the mask" in allowed.stderr
     assert "each weight is a shape-[0] shard outside forward" in allowed.stderr
+    # a misspelt value is said to be not understood and does not pass for allow
+    misspelt = run([sys.executable, SCENARIOS, "textual_inversion", "3"], check=False, warm=True,
+                   env=clean_env(ACCEL_DS_FIX_ZERO3_TEXTUAL_INVERSION="alow"))
+    assert "ACCEL_DS_FIX_ZERO3_TEXTUAL_INVERSION='alow' is not understood" in misspelt.stderr
+    assert misspelt.returncode != 0 and "ConfigError: accel_ds_fix: CLIPTextModel trains only" in misspelt.stderr
     losses = result(scenario("textual_inversion", "2"))["losses"]
     assert len(losses) == 4 and losses[-1] != losses[0]

@@ -16,14 +16,14 @@ import contextlib
 import os
 import re
 import shutil
-import sys
 
 from ..gather import copied_by_hook, shards
 from ..lookup import merged_engines
 from ..memory import heap
 from ..merge import trainability
 from ..merge.proxy import unwrap
-from . import crash_safe, layout_change, load_hooks, load_memory, manifest, nvme_resume, param_groups
+from ..patches.zero3_loading import models_built_whole
+from . import crash_safe, every_process, layout_change, load_hooks, load_memory, manifest, nvme_resume, param_groups
 from .engine_views import merged_view
 
 
@@ -106,23 +106,6 @@ def _gathered_for_hook(accelerator, engines):
         yield
 
 
-@contextlib.contextmanager
-def _models_built_whole():
-    """While hooks run, models they build themselves (diffusers' load hook: CLIPTextModel.from_pretrained, then
-    load_state_dict into the prepared model) come out whole: under a ZeRO-3 config accelerate registers it with
-    transformers, whose from_pretrained then partitions every new model into shape-[0] shards."""
-    module = sys.modules.get("transformers.integrations.deepspeed") or sys.modules.get("transformers.deepspeed")
-    registered = getattr(module, "_hf_deepspeed_config_weak_ref", None)
-    if registered is None:
-        yield
-        return
-    module._hf_deepspeed_config_weak_ref = None
-    try:
-        yield
-    finally:
-        module._hf_deepspeed_config_weak_ref = registered
-
-
 def save_state(wrapped, instance, args, kwargs):
     """Accelerator.save_state: DeepSpeed's checkpoint of the merged engine, plus what it holds (manifest), written
     beside the folder and moved into place once whole."""
@@ -137,7 +120,7 @@ def save_state(wrapped, instance, args, kwargs):
             each = _each_model(engines, models)
             # One entry per model, as without DeepSpeed. What the hook leaves in it is not written again:
             # DeepSpeed's checkpoint already holds every weight (accelerate's own `weights` stays empty).
-            with _gathered_for_hook(instance, engines), _models_built_whole():
+            with _gathered_for_hook(instance, engines), models_built_whole():
                 hook(each, [_weights_entry(unwrap(m)) for m in each], output_dir)
 
         return save_hook
@@ -145,6 +128,7 @@ def save_state(wrapped, instance, args, kwargs):
     target = _output_dir(instance, args, kwargs)
     if target is None:
         return wrapped(*args, **kwargs)  # accelerate's own error
+    every_process.wait_for_all(target)  # before any collective: a main-process-only call is named, not waited on
     rest = {k: v for k, v in kwargs.items() if k != "output_dir"}
 
     def save_into(folder):
@@ -237,7 +221,7 @@ def load_state(wrapped, instance, args, kwargs):
     hooks = list(getattr(instance, "_load_model_state_pre_hook", {}).values())
     if hooks:
         models = [proxy for engine in engines for proxy in engine._accel_ds_fix_proxies.values()]
-        with _models_built_whole():
+        with models_built_whole():
             load_hooks.run(hooks, models, directory)
     # several engines reach here only in the layout that saved them (refused above otherwise): nothing converted
     with layout_change.resumed(instance, engines[0], directory, tags[0], saved_layout) as converted:

@@ -5,8 +5,10 @@ embedding is a textual inversion, and every textual inversion script writes rows
 is a shape-[0] shard outside forward, so the script would train one step and die in that write with an IndexError
 from deep inside itself. ZeRO-2 keeps the embedding whole (measured with the advanced Flux script: docs/validation.md)."""
 
+import logging
 import os
 
+from .. import notices
 from ..errors import ConfigError
 
 ENV = "ACCEL_DS_FIX_ZERO3_TEXTUAL_INVERSION"
@@ -38,11 +40,19 @@ def _elements(weight):
     return getattr(weight, "ds_numel", None) or weight.numel()  # a zero.Init shard knows its whole size
 
 
+def _allowed():
+    value = os.environ.get(ENV, "").strip().lower()
+    if value not in ("", "allow", "refuse"):  # a typo must not pass for allow, nor be silently ignored
+        notices.say(f"{ENV}={value!r} is not understood: use allow (let a textual inversion through under ZeRO-3) "
+                    "or refuse (the default); refusing.", level=logging.WARNING, once_key=ENV)
+    return value == "allow"
+
+
 def refuse(models, labels, zero):
     """Raise before anything is allocated where a model of this ZeRO-3 ``prepare()`` is a textual inversion whose
     embedding ZeRO-3 would partition. ``ACCEL_DS_FIX_ZERO3_TEXTUAL_INVERSION=allow``: the script writes no rows
     (it masks the gradients with a hook) or writes them the ZeRO way, so let it through."""
-    if os.environ.get(ENV, "").strip().lower() == "allow":
+    if _allowed():
         return
     threshold = _persistence_threshold(zero)
     for model, label in zip(models, labels):

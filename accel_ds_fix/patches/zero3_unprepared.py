@@ -11,8 +11,9 @@ follows .to()). The same Parameter objects are kept, so an optimizer or a later 
 When: at a prepare() that builds an engine, for every such model not among its arguments (every process is there, and
 gathering is a collective); before that, at the model's first forward (prompts encoded before prepare(): with several
 processes each must run that forward, as each runs prepare()). A model passed to prepare() is left to its engine. A
-model loaded after that prepare() (the scripts reload the pipeline at the end to save it) is made whole as it is
-loaded, in host memory as from_pretrained gives it without DeepSpeed: its save_pretrained wrote shape-[0] tensors.
+model loaded after that prepare() (the scripts reload the pipeline at the end to save it) is built whole, in host
+memory as from_pretrained gives it without DeepSpeed (its save_pretrained wrote shape-[0]
+tensors, and with several processes its partitioned build on the main process alone waited for the others).
 The cost: each process holds the whole model, as without ZeRO-3 (T5-XXL: 9.5 GB in bf16).
 """
 
@@ -21,7 +22,7 @@ import weakref
 
 from .. import notices
 from ..gather import is_partitioned, shards
-from . import first_forward
+from . import first_forward, zero3_loading
 
 # What DeepSpeed's Init._convert_to_deepspeed_param puts on a parameter besides its ds_* attributes.
 _DEEPSPEED_PARAM_ATTRIBUTES = (
@@ -36,10 +37,14 @@ _engine_built = False  # a ZeRO-3 prepare() has run: no later one is expected to
 def watch_loaded(wrapped, instance, args, kwargs):
     """PreTrainedModel.from_pretrained: a model that comes back partitioned is made whole at its first forward,
     unless prepare() takes it first."""
+    if _engine_built:
+        # no later prepare() is expected to take it: built whole, as without DeepSpeed, and without zero.Init's
+        # collectives (the scripts reload the pipeline on the main process alone: with several processes a
+        # partitioned build waited there for the others, which had finished)
+        with zero3_loading.models_built_whole():
+            return wrapped(*args, **kwargs)
     model = wrapped(*args, **kwargs)
-    if _engine_built and _has_partitioned_params(model):
-        make_whole(model, device="cpu")
-    elif _has_partitioned_params(model):
+    if _has_partitioned_params(model):
         _watched[model] = first_forward.watch(model, make_whole)
     return model
 
@@ -57,9 +62,9 @@ def at_prepare(models):
             make_whole(model)
 
 
-def make_whole(model, device=None):
-    """Replace each ZeRO-3 shard of ``model`` with its full value (a collective) on ``device`` (default: where the
-    script's last .to() asked); the parameters stay the same objects. Returns how many were gathered."""
+def make_whole(model):
+    """Replace each ZeRO-3 shard of ``model`` with its full value (a collective) where the script's last .to()
+    asked; the parameters stay the same objects. Returns how many were gathered."""
     _stop_watching(model)
     params = [p for p in model.parameters() if is_partitioned(p)]
     if not params:
@@ -69,7 +74,7 @@ def make_whole(model, device=None):
     for param in params:  # one at a time: no second copy of the whole model
         placeholder = param.data  # empty, but in the dtype and on the device of the script's last .to()
         with deepspeed.zero.GatheredParameters(shards([param]), modifier_rank=None):
-            full = param.data.to(device or placeholder.device, placeholder.dtype, copy=True)
+            full = param.data.to(placeholder.device, placeholder.dtype, copy=True)
         param.data = full
         _forget_partitioning(param)
     numel = sum(p.numel() for p in params)

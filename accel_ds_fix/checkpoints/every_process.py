@@ -1,0 +1,113 @@
+"""Every process must call save_state under DeepSpeed, and the ones that don't are named instead of waited for.
+
+Each process writes its own part of a DeepSpeed checkpoint (its optimizer partition; under ZeRO-3 its weights
+too), so the save is collective. A script that saves on the main process only (diffusers' DreamBooth scripts up to
+v0.40 put ``if accelerator.is_main_process:`` above ``accelerator.save_state``; their SD3 LoRA script adds ``or
+accelerator.distributed_type == DistributedType.DEEPSPEED``) would leave the main process waiting forever in the
+save's first collective while the others train on into theirs. Before any collective, each process marks its
+arrival in the process group's key-value store and waits there for the others, with a timeout and their ranks.
+``missing()`` is that arrival check for any collective step a script may run on one process (read_alone.py)."""
+
+import logging
+import os
+import time
+
+from .. import notices
+from ..errors import CheckpointError
+
+ENV = "ACCEL_DS_FIX_SAVE_WAIT_S"
+# The processes leave the optimizer step together; what a script does on the main process alone before saving
+# (deleting checkpoints beyond a limit) may take a while on a slow disk.
+DEFAULT_WAIT_S = 300
+NOTICE_AFTER_S = 30
+
+_calls = {}  # what -> how many times this process got there
+
+
+def _store():
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None, 0, 1
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store(), dist.get_rank(), dist.get_world_size()
+    except (ImportError, RuntimeError, ValueError):  # a torch without it: DeepSpeed's own collective waits instead
+        return None, 0, 1
+
+
+def _wait_s():
+    value = os.environ.get(ENV, "")
+    try:
+        return float(value) if value.strip() else DEFAULT_WAIT_S
+    except ValueError:
+        notices.say(f"{ENV}={value!r} is not understood: use a number of seconds; waiting {DEFAULT_WAIT_S} s.",
+                    level=logging.WARNING, once_key=ENV)
+        return DEFAULT_WAIT_S
+
+
+def missing(what, limit_s, waiting_notice=None):
+    """The ranks of the processes that do not reach this point (the n-th ``what`` of each) together with this one:
+    those not there within ``limit_s`` seconds, or, for one that comes after another gave up waiting, that one (so
+    that the processes decide alike). Empty once all are there, or with one process. ``waiting_notice(missing)``:
+    said once after 30 s."""
+    store, rank, world = _store()
+    if store is None:
+        return []
+    _calls[what] = _calls.get(what, 0) + 1
+    prefix = f"accel_ds_fix/{what}/{_calls[what]}"
+    gave_up = f"{prefix}/gave_up"
+    store.set(f"{prefix}/{rank}", "1")
+    keys = [f"{prefix}/{r}" for r in range(world)]
+    start, said = time.monotonic(), False
+    while not store.check(keys):
+        if store.check([gave_up]):
+            return [int(store.get(gave_up))]
+        waited = time.monotonic() - start
+        absent = [r for r in range(world) if not store.check([keys[r]])]
+        if waited > limit_s:
+            store.set(gave_up, str(rank))
+            return absent
+        if waiting_notice and waited > NOTICE_AFTER_S and not said:
+            notices.say(waiting_notice(absent), level=logging.WARNING)
+            said = True
+        time.sleep(0.05)
+    return [int(store.get(gave_up))] if store.check([gave_up]) else []
+
+
+def rank():
+    return _store()[1]
+
+
+def wait_for_all(target):
+    """Return once every process has called save_state as often as this one; raise CheckpointError naming the
+    missing processes after ACCEL_DS_FIX_SAVE_WAIT_S seconds (300), before anything is written."""
+    limit, here = _wait_s(), rank()
+
+    def waiting(absent):
+        return (f"save_state({target}) on process {here} has waited {NOTICE_AFTER_S} s for process(es) "
+                f"{_ranks(absent)} to call save_state too (under DeepSpeed every process must); giving up after "
+                f"{limit:.0f} s ({ENV}).")
+
+    absent = missing("save_state", limit, waiting)
+    if absent:
+        raise CheckpointError(_missing_message(target, here, absent, limit))
+
+
+def _ranks(ranks):
+    return ", ".join(str(r) for r in ranks)
+
+
+def _missing_message(target, rank, missing, limit):
+    return (
+        f"accel_ds_fix: save_state({target}) was called on process {rank} but not on process(es) {_ranks(missing)} "
+        f"within {limit:.0f} s. Under DeepSpeed each process writes its own part of the checkpoint (its optimizer "
+        "partition), so every process must call save_state, or the ones that do wait forever. The script most "
+        "likely saves on the main process only: diffusers' DreamBooth scripts up to v0.40 have `if "
+        "accelerator.is_main_process:` above `accelerator.save_state(save_path)`. Change that line to `if "
+        "accelerator.is_main_process or accelerator.distributed_type == DistributedType.DEEPSPEED:` (as diffusers' "
+        "train_dreambooth_lora_sd3.py does), or train on one process. Nothing of this checkpoint was written; "
+        f"{ENV} sets the wait."
+    )
+

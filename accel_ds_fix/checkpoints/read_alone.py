@@ -1,0 +1,136 @@
+"""ZeRO-3 with several processes: the trained weights read on the main process alone.
+
+Every diffusers DreamBooth script exports after training under ``if accelerator.is_main_process:``
+(``get_peft_model_state_dict(unwrap_model(transformer))``, ``save_pretrained``). ZeRO-3 partitions each weight
+across the processes, and gathering one is a collective: read on one process, it waited for the others, which had
+finished training and left. So at each ``accelerator.wait_for_everyone()`` after an optimizer step (the scripts
+call it right before exporting), every process keeps a host copy of the trained weights, where they are a LoRA's
+size (at most SNAPSHOT_LIMIT_BYTES); a ``state_dict()`` takes those while no step has run since. Frozen weights
+that ZeRO-3 partitioned (a LoRA's base) can still only be gathered by every process together: read on one
+process, they stay shape-[0] shards in that state dict, with a warning (a LoRA export drops them), and a trained
+weight without its copy stops the read with what to do, instead of a wait without end."""
+
+import logging
+import weakref
+
+import torch
+
+from .. import notices
+from ..errors import CheckpointError
+from ..lookup import merged_engines
+from . import every_process
+
+# A host copy on every process: a LoRA's trained weights are megabytes; a full fine-tune's are the model.
+SNAPSHOT_LIMIT_BYTES = 2 * 2**30
+# What is gathered onto the card at once for the copies.
+CHUNK_BYTES = 64 * 2**20
+# Processes that read together come within seconds of each other (they leave the same barrier); one that comes
+# later than this reads alone too (every_process.missing decides alike for all).
+TOGETHER_S = 10
+
+_copies = {}  # id(trained partitioned parameter) -> (a weak reference to it, its full value on the host)
+_taken_at = None  # (weak references to the engines, their global_steps) when _copies were taken
+
+
+def _partitioned(param):
+    return hasattr(param, "ds_id")
+
+
+def _several_processes():
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1
+
+
+def _steps(engines):
+    return tuple(getattr(e, "global_steps", 0) for e in engines)
+
+
+def snapshot_at_barrier(wrapped, instance, args, kwargs):
+    """Accelerator.wait_for_everyone: after the barrier, the host copies of the trained ZeRO-3 weights (every
+    process is here, so gathering is safe), once per optimizer step."""
+    result = wrapped(*args, **kwargs)
+    engines = merged_engines(instance) if _several_processes() else []
+    if engines and getattr(engines[0], "zero_optimization_stage", lambda: 0)() == 3:
+        _take(engines)
+    return result
+
+
+def _take(engines):
+    global _taken_at
+    steps = _steps(engines)
+    if _taken_at is not None and _same(_taken_at[0], engines) and _taken_at[1] == steps:
+        return
+    trained = [p for e in engines for p in e.module.parameters() if p.requires_grad and _partitioned(p)]
+    size = sum(p.ds_numel * p.element_size() for p in trained)
+    _copies.clear()
+    _taken_at = None
+    if not trained or size > SNAPSHOT_LIMIT_BYTES:
+        return
+    import deepspeed
+
+    for chunk in _chunks(trained):  # a few collectives for a LoRA's hundreds of weights, little on the card at once
+        with deepspeed.zero.GatheredParameters(chunk, modifier_rank=None):
+            for param in chunk:
+                _copies[id(param)] = (weakref.ref(param), param.data.detach().to("cpu", copy=True))
+    _taken_at = ([weakref.ref(e) for e in engines], steps)
+
+
+def _chunks(params):
+    chunk, size = [], 0
+    for param in params:
+        chunk.append(param)
+        size += param.ds_numel * param.element_size()
+        if size >= CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _same(references, engines):
+    return len(references) == len(engines) and all(r() is e for r, e in zip(references, engines))
+
+
+def _fresh(param):
+    if _taken_at is None or id(param) not in _copies or _copies[id(param)][0]() is not param:
+        return None
+    engines = [r() for r in _taken_at[0]]
+    if any(e is None for e in engines) or _steps(engines) != _taken_at[1]:
+        return None
+    return _copies[id(param)][1]
+
+
+def full_values(module, params):
+    """{id(param): tensor} for the partitioned ``params`` of ``module``'s state dict that need no collective now:
+    fresh host copies of trained weights, and, where this process reads alone, the frozen shards as they are.
+    The rest the caller gathers (every process is reading)."""
+    partitioned = [p for p in params if _partitioned(p)]
+    if not partitioned or not _several_processes():
+        return {}
+    values = {}
+    for param in partitioned:
+        copy = _fresh(param)
+        if copy is not None:
+            values[id(param)] = copy.to(param.dtype)
+    rest = [p for p in partitioned if id(p) not in values]
+    if not rest or not every_process.missing("state_dict", TOGETHER_S):
+        return values  # every process reads: the caller gathers the rest together
+    name = type(module).__name__
+    trained = [p for p in rest if p.requires_grad]
+    if trained:
+        raise CheckpointError(
+            f"accel_ds_fix: state_dict() of {name} was asked on process {every_process.rank()} alone, and "
+            f"{len(trained)} of its trained weights are partitioned across the processes by ZeRO-3: only every "
+            "process together can gather them. Call accelerator.wait_for_everyone() on every process after the last "
+            "optimizer step and before reading them (a LoRA's weights are then kept whole on each process), or read "
+            "them on every process (accelerator.get_state_dict(model), then save on the main process), or train "
+            "with ZeRO-2, which keeps each process's weights whole. The run's last save_state holds them."
+        )
+    for param in rest:
+        values[id(param)] = param.data  # the shard: shape [0]
+    notices.say(
+        f"state_dict() of {name} on process {every_process.rank()} alone: its {len(rest)} frozen weights partitioned "
+        "by ZeRO-3 across the processes are in it as shape-[0] tensors (only every process together can gather "
+        "them); its trained weights are whole. A LoRA export keeps only those; for the whole model read it on every "
+        "process (accelerator.get_state_dict(model)).", level=logging.WARNING, once_key=("read_alone", name))
+    return values
