@@ -100,6 +100,7 @@ def parse_args():
     p.add_argument("--checkpoint")
     p.add_argument("--save-on-main-only", action="store_true")  # diffusers' DreamBooth scripts up to v0.40
     p.add_argument("--export-on-main-only", action="store_true")  # every diffusers script's final export
+    p.add_argument("--validate-on-main-only", action="store_true")  # diffusers' log_validation
     p.add_argument("--resume")
     p.add_argument("--unfreeze-after-prepare", action="store_true")
     p.add_argument("--embedding-in-optimizer", action="store_true")
@@ -116,7 +117,7 @@ def main():
         PartialState(backend="gloo")
     plugin = DeepSpeedPlugin(zero_stage=args.zero_stage, offload_optimizer_device=args.offload,
                              zero3_save_16bit_model=True)
-    if args.export_on_main_only and args.zero_stage == 3:  # every weight partitioned, as at real size
+    if (args.export_on_main_only or args.validate_on_main_only) and args.zero_stage == 3:  # as at real size
         plugin.deepspeed_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     accelerator = Accelerator(deepspeed_plugin=plugin)
     seen = {"save_hook": [], "load_hook": []}
@@ -244,6 +245,12 @@ def main():
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+        if args.validate_on_main_only and len(losses) == 2:
+            with torch.no_grad():
+                forward(ids, latents)  # every process: passes
+                seen["validated_together"] = True
+                if accelerator.is_main_process:
+                    forward(ids, latents)  # the main process alone
         saves_here = accelerator.is_main_process or not args.save_on_main_only
         if args.checkpoint and len(losses) == args.save_at and saves_here:
             accelerator.save_state(args.checkpoint)

@@ -92,7 +92,7 @@ def test_save_state_on_the_main_process_only_is_named_instead_of_waited_on(tmp_p
     ckpt = tmp_path / "out" / "checkpoint-3"
     proc = run([*launch, PATTERNS, "diffusers", "--steps", "6", "--save-at", "3", "--checkpoint", ckpt,
                 "--save-on-main-only", "--out", tmp_path / "r.json"], check=False, timeout=300,
-               env=clean_env(ACCEL_DS_FIX_SAVE_WAIT_S="5"))
+               env=clean_env(ACCEL_DS_FIX_WAIT_S="5"))
     assert proc.returncode != 0
     assert (f"CheckpointError: accel_ds_fix: save_state({ckpt}) was called on process 0 but not on process(es) 1 "
             "within 5 s") in proc.stderr
@@ -114,6 +114,20 @@ def test_two_processes_zero3_lora_export_on_the_main_process_alone(tmp_path):
     # the frozen base stays partitioned: shape-[0] shards in a state dict read alone, said once
     assert export["frozen_shapes"] and all(shape == [0] for shape in export["frozen_shapes"].values())
     assert "state_dict() of TinyUNet on process 0 alone: its" in proc.stderr
+
+
+def test_two_processes_zero3_validation_on_the_main_process_alone_is_named(tmp_path):
+    # diffusers' scripts validate on the main process alone; under ZeRO-3 its forward gathers every weight from
+    # every process, and waited forever for processes that had trained on.
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
+              "--zero_stage", "3", "--mixed_precision", "no", "--num_machines", "1"]
+    out = tmp_path / "r.json"
+    proc = run([*launch, PATTERNS, "diffusers", "--zero-stage", "3", "--steps", "4", "--validate-on-main-only",
+                "--out", out], check=False, timeout=300, env=clean_env(ACCEL_DS_FIX_WAIT_S="5"))
+    assert proc.returncode != 0 and not out.exists()
+    assert ("ConfigError: accel_ds_fix: CLIPTextModel runs a forward (without gradients: a validation?) on "
+            "process 0, and process(es) 1 did not run it within 5 s") in proc.stderr
+    assert proc.stderr.count("runs a forward (without gradients") == 1  # the forward on every process passed
 
 
 def test_two_processes_zero3_save_hook_on_the_main_process_only(tmp_path):

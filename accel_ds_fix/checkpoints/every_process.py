@@ -15,10 +15,10 @@ import time
 from .. import notices
 from ..errors import CheckpointError
 
-ENV = "ACCEL_DS_FIX_SAVE_WAIT_S"
+ENV = "ACCEL_DS_FIX_WAIT_S"  # how long a process waits for the others at a step all must run, before naming them
 # The processes leave the optimizer step together; what a script does on the main process alone before saving
 # (deleting checkpoints beyond a limit) may take a while on a slow disk.
-DEFAULT_WAIT_S = 300
+SAVE_WAIT_S = 300
 NOTICE_AFTER_S = 30
 
 _calls = {}  # what -> how many times this process got there
@@ -37,14 +37,15 @@ def _store():
         return None, 0, 1
 
 
-def _wait_s():
+def wait_s(default):
+    """ACCEL_DS_FIX_WAIT_S, else ``default`` seconds."""
     value = os.environ.get(ENV, "")
     try:
-        return float(value) if value.strip() else DEFAULT_WAIT_S
+        return float(value) if value.strip() else default
     except ValueError:
-        notices.say(f"{ENV}={value!r} is not understood: use a number of seconds; waiting {DEFAULT_WAIT_S} s.",
+        notices.say(f"{ENV}={value!r} is not understood: use a number of seconds; waiting {default} s.",
                     level=logging.WARNING, once_key=ENV)
-        return DEFAULT_WAIT_S
+        return default
 
 
 def missing(what, limit_s, waiting_notice=None):
@@ -82,8 +83,8 @@ def rank():
 
 def wait_for_all(target):
     """Return once every process has called save_state as often as this one; raise CheckpointError naming the
-    missing processes after ACCEL_DS_FIX_SAVE_WAIT_S seconds (300), before anything is written."""
-    limit, here = _wait_s(), rank()
+    missing processes after ACCEL_DS_FIX_WAIT_S seconds (300), before anything is written."""
+    limit, here = wait_s(SAVE_WAIT_S), rank()
 
     def waiting(absent):
         return (f"save_state({target}) on process {here} has waited {NOTICE_AFTER_S} s for process(es) "

@@ -62,8 +62,7 @@ def _take(engines):
         return
     trained = [p for e in engines for p in e.module.parameters() if p.requires_grad and _partitioned(p)]
     size = sum(p.ds_numel * p.element_size() for p in trained)
-    _copies.clear()
-    _taken_at = None
+    forget()
     if not trained or size > SNAPSHOT_LIMIT_BYTES:
         return
     import deepspeed
@@ -73,6 +72,13 @@ def _take(engines):
             for param in chunk:
                 _copies[id(param)] = (weakref.ref(param), param.data.detach().to("cpu", copy=True))
     _taken_at = ([weakref.ref(e) for e in engines], steps)
+
+
+def forget():
+    """Drop the copies: the weights change without an optimizer step (load_state)."""
+    global _taken_at
+    _copies.clear()
+    _taken_at = None
 
 
 def _chunks(params):

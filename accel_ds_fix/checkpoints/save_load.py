@@ -23,7 +23,8 @@ from ..memory import heap
 from ..merge import trainability
 from ..merge.proxy import unwrap
 from ..patches.zero3_loading import models_built_whole
-from . import crash_safe, every_process, layout_change, load_hooks, load_memory, manifest, nvme_resume, param_groups
+from . import (crash_safe, every_process, layout_change, load_hooks, load_memory, manifest, nvme_resume, param_groups,
+               read_alone)
 from .engine_views import merged_view
 
 
@@ -197,6 +198,7 @@ def load_state(wrapped, instance, args, kwargs):
     (before any weights are loaded, as accelerate does without DeepSpeed), then let DeepSpeed restore the
     engine, which overrides whatever the hooks loaded."""
     engines = merged_engines(instance)  # one per optimizer of a GAN-style prepare(), else one
+    read_alone.forget()  # the weights are about to change without an optimizer step
     directory = _input_dir(instance, args, kwargs) if engines else None
     if directory is not None:
         if instance.is_main_process:

@@ -10,7 +10,7 @@ from .. import notices
 from ..lookup import deepspeed_config, uses_deepspeed
 from ..memory import check as memory_check
 from ..patches import (clipping, cpu_threads, gpu_block_release, old_accelerate, zero3_dtypes,
-                       zero3_held_moves, zero3_host_partition, zero3_unprepared)
+                       zero3_forward_alone, zero3_held_moves, zero3_host_partition, zero3_unprepared)
 from . import engine_per_optimizer, engine_setup, gradient_explanation, textual_inversion, trainability
 from .merge_plan import MergePlan, is_optimizer
 from .merged_module import MergedModels
@@ -87,6 +87,8 @@ def prepare(wrapped, instance, args, kwargs):
     engine = result[first]
 
     proxies = engine_setup.adopt(engine, plan.names, plan.models)
+    if zero.get("stage") == 3:
+        zero3_forward_alone.watch(plan.models)
     engine._accel_ds_fix_in_optimizer = held
     handed_back = []
     remaining = iter(result)
