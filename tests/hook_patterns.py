@@ -260,6 +260,7 @@ def main():
         from peft import get_peft_model_state_dict
 
         accelerator.wait_for_everyone()
+        print("export on the main process alone begins", file=sys.stderr, flush=True)
         alone = get_peft_model_state_dict(unwrap(unet)) if accelerator.is_main_process else None
         frozen_alone = {k: tuple(v.shape) for k, v in unwrap(unet).state_dict().items()
                         if "lora_" not in k} if accelerator.is_main_process else None

@@ -105,10 +105,14 @@ def test_two_processes_zero3_lora_export_on_the_main_process_alone(tmp_path):
     # partitioned across the processes, and a gather there alone waited for the others, which had left.
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
               "--zero_stage", "3", "--mixed_precision", "no", "--num_machines", "1"]
-    out = tmp_path / "r.json"
+    out, ckpt = tmp_path / "r.json", tmp_path / "ckpt"
     proc = run([*launch, PATTERNS, "lora", "--zero-stage", "3", "--steps", "3", "--export-on-main-only",
-                "--out", out], timeout=300)
+                "--save-at", "2", "--checkpoint", ckpt, "--out", out], timeout=300)
     export = json.loads(out.read_text())["export_alone"]
+    # the save hook's read on the main process runs inside the fix's gather on every process: whole, no wait
+    saved = torch.load(ckpt / "lora_tinyunet.pt", weights_only=True)
+    assert len(saved) == 6 and all(v.numel() > 0 for v in saved.values())
+    assert proc.stderr.index("export on the main process alone begins") < proc.stderr.index("on process 0 alone")
     assert export["equal"] and len(export["keys"]) == 6  # the trained weights: whole, as every process reads them
     assert export["lora_B_nonzero"] == 3
     # the frozen base stays partitioned: shape-[0] shards in a state dict read alone, said once

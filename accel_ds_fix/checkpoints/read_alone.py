@@ -110,14 +110,18 @@ def full_values(module, params):
     """{id(param): tensor} for the partitioned ``params`` of ``module``'s state dict that need no collective now:
     fresh host copies of trained weights, and, where this process reads alone, the frozen shards as they are.
     The rest the caller gathers (every process is reading)."""
-    partitioned = [p for p in params if _partitioned(p)]
-    if not partitioned or not _several_processes():
+    if not _several_processes():
+        return {}
+    from ..gather import shards  # (gather imports this module)
+
+    partitioned = shards(params)  # gathered already (a save hook runs inside a gather): read as they are
+    if not partitioned:
         return {}
     values = {}
     for param in partitioned:
         copy = _fresh(param)
         if copy is not None:
-            values[id(param)] = copy.to(param.dtype)
+            values[id(param)] = copy.to(param.dtype, copy=True)  # the caller may change what it gets
     rest = [p for p in partitioned if id(p) not in values]
     if not rest or not every_process.missing("state_dict", TOGETHER_S):
         return values  # every process reads: the caller gathers the rest together
