@@ -5,7 +5,8 @@ Every diffusers DreamBooth script exports after training under ``if accelerator.
 across the processes, and gathering one is a collective: read on one process, it waited for the others, which had
 finished training and left. So at each ``accelerator.wait_for_everyone()`` after an optimizer step (the scripts
 call it right before exporting), every process keeps a host copy of the trained weights, where they are a LoRA's
-size (at most SNAPSHOT_LIMIT_BYTES); a ``state_dict()`` takes those while no step has run since. Frozen weights
+size (at most SNAPSHOT_LIMIT_BYTES), until the first forward after the next step; a ``state_dict()`` takes those
+while no step has run since. Frozen weights
 that ZeRO-3 partitioned (a LoRA's base) can still only be gathered by every process together: read on one
 process, they stay shape-[0] shards in that state dict, with a warning (a LoRA export drops them), and a trained
 weight without its copy stops the read with what to do, instead of a wait without end."""
@@ -30,6 +31,7 @@ TOGETHER_S = 10
 
 _copies = {}  # id(trained partitioned parameter) -> (a weak reference to it, its full value on the host)
 _taken_at = None  # (weak references to the engines, their global_steps) when _copies were taken
+_drop_hooks = []  # forward pre-hooks on the engines' modules that drop stale copies
 
 
 def _partitioned(param):
@@ -72,13 +74,23 @@ def _take(engines):
             for param in chunk:
                 _copies[id(param)] = (weakref.ref(param), param.data.detach().to("cpu", copy=True))
     _taken_at = ([weakref.ref(e) for e in engines], steps)
+    # the copies are dropped at the first forward after the next step: host memory only while they can be read
+    _drop_hooks.extend(e.module.register_forward_pre_hook(_drop_when_stale) for e in engines)
+
+
+def _drop_when_stale(*_):
+    engines = [r() for r in _taken_at[0]] if _taken_at else []
+    if not engines or any(e is None for e in engines) or _steps(engines) != _taken_at[1]:
+        forget()
 
 
 def forget():
-    """Drop the copies: the weights change without an optimizer step (load_state)."""
+    """Drop the copies: the weights change without an optimizer step (load_state), or they stepped."""
     global _taken_at
     _copies.clear()
     _taken_at = None
+    while _drop_hooks:
+        _drop_hooks.pop().remove()
 
 
 def _chunks(params):
