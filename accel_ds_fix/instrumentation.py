@@ -16,15 +16,16 @@ PATCHES = {
     "accelerate.accelerator": {
         "Accelerator.__init__": "patches.zero3_held_moves.arm_at_init",
         "Accelerator.prepare": "merge.prepare.prepare",
-        "Accelerator.backward": "merge.trainability.backward",
+        "Accelerator.backward": ("merge.trainability.backward", "checkpoints.deferred_save.after_backward"),
         "Accelerator.accumulate": "merge.backward_routing.accumulate",
         "Accelerator.clip_grad_norm_": "patches.clipping.clip_grad_norm_",
         "Accelerator.unwrap_model": "checkpoints.exports.unwrap_model",
         "Accelerator.get_state_dict": "checkpoints.exports.get_state_dict",
         "Accelerator.save_state": "checkpoints.save_load.save_state",
         "Accelerator.load_state": "checkpoints.save_load.load_state",
-        "Accelerator.end_training": "patches.end_training.end_training",
-        "Accelerator.wait_for_everyone": "checkpoints.read_alone.snapshot_at_barrier",
+        "Accelerator.end_training": ("patches.end_training.end_training", "checkpoints.deferred_save.before_end"),
+        "Accelerator.wait_for_everyone": ("checkpoints.read_alone.snapshot_at_barrier",
+                                          "checkpoints.deferred_save.before_barrier"),
     },
     # optimizer offload: no import of bitsandbytes only to learn that the optimizer is not one of its classes
     "accelerate.utils.deepspeed": {

@@ -211,7 +211,8 @@ def main():
     data = torch.utils.data.TensorDataset(
         torch.randint(0, VOCAB, (total, TOKENS), generator=g), torch.randn(total, LATENT, generator=g)
     )
-    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    # its own generator: starting an epoch draws a base seed, which must not move the random states a resume restores
+    loader = torch.utils.data.DataLoader(data, batch_size=2, generator=torch.Generator().manual_seed(0))
     prepared = accelerator.prepare(*models, optimizer, loader)
     models, optimizer, loader = prepared[: len(models)], prepared[-2], prepared[-1]
     unet, text_encoder = models[0], models[1]
@@ -240,7 +241,9 @@ def main():
             continue
         if len(losses) == args.steps:
             break
-        loss = torch.nn.functional.mse_loss(forward(ids, latents).float(), latents)
+        # diffusers' scripts draw noise each step: a resume equals the run only with the random states of its save
+        target = latents + torch.randn_like(latents) if args.save_on_main_only else latents
+        loss = torch.nn.functional.mse_loss(forward(ids, latents).float(), target)
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
@@ -254,7 +257,8 @@ def main():
         saves_here = accelerator.is_main_process or not args.save_on_main_only
         if args.checkpoint and len(losses) == args.save_at and saves_here:
             accelerator.save_state(args.checkpoint)
-            seen["accelerate_model_files"] = sorted(set(os.listdir(args.checkpoint)) & set(ACCELERATE_MODEL_FILES))
+            if not args.save_on_main_only:  # else written at the next step's first forward
+                seen["accelerate_model_files"] = sorted(set(os.listdir(args.checkpoint)) & set(ACCELERATE_MODEL_FILES))
     seen["losses"] = losses
     if args.export_on_main_only:  # as the scripts end: a barrier, then the export on the main process alone
         from peft import get_peft_model_state_dict

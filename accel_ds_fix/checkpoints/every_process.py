@@ -19,12 +19,15 @@ ENV = "ACCEL_DS_FIX_WAIT_S"  # how long a process waits for the others at a step
 # The processes leave the optimizer step together; what a script does on the main process alone before saving
 # (deleting checkpoints beyond a limit) may take a while on a slow disk.
 SAVE_WAIT_S = 300
+# A save_state on the main process that the others have not joined by then is handed on (deferred_save.py): the
+# processes leave the optimizer step together, so a call on every process arrives within moments.
+DEFER_AFTER_S = 10
 NOTICE_AFTER_S = 30
 
 _calls = {}  # what -> how many times this process got there
 
 
-def _store():
+def process_store():
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
@@ -53,7 +56,7 @@ def missing(what, limit_s, waiting_notice=None):
     those not there within ``limit_s`` seconds, or, for one that comes after another gave up waiting, that one (so
     that the processes decide alike). Empty once all are there, or with one process. ``waiting_notice(missing)``:
     said once after 30 s."""
-    store, rank, world = _store()
+    store, rank, world = process_store()
     if store is None:
         return []
     _calls[what] = _calls.get(what, 0) + 1
@@ -78,13 +81,18 @@ def missing(what, limit_s, waiting_notice=None):
 
 
 def rank():
-    return _store()[1]
+    return process_store()[1]
 
 
-def wait_for_all(target):
-    """Return once every process has called save_state as often as this one; raise CheckpointError naming the
-    missing processes after ACCEL_DS_FIX_WAIT_S seconds (300), before anything is written."""
+def wait_for_all(target, defer=None):
+    """Return True once every process has called save_state as often as this one. ``defer(target)``: on the main
+    process, after DEFER_AFTER_S alone, hand the save to the next step where all are (deferred_save.py) and return
+    False (a process that comes later returns False too). Otherwise raise CheckpointError naming the missing
+    processes after ACCEL_DS_FIX_WAIT_S seconds (300), before anything is written."""
     limit, here = wait_s(SAVE_WAIT_S), rank()
+    deferring = defer is not None and here == 0
+    if deferring:
+        limit = min(limit, DEFER_AFTER_S)
 
     def waiting(absent):
         return (f"save_state({target}) on process {here} has waited {NOTICE_AFTER_S} s for process(es) "
@@ -92,8 +100,15 @@ def wait_for_all(target):
                 f"{limit:.0f} s ({ENV}).")
 
     absent = missing("save_state", limit, waiting)
-    if absent:
-        raise CheckpointError(_missing_message(target, here, absent, limit))
+    if not absent:
+        return True
+    if deferring and defer(target):
+        return False
+    if absent == [0] and here != 0:
+        # came after the main process gave up: it handed the save on (it runs with all of them), or it stopped
+        # the run with this error itself
+        return False
+    raise CheckpointError(_missing_message(target, here, absent, limit))
 
 
 def _ranks(ranks):

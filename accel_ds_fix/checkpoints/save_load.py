@@ -23,8 +23,8 @@ from ..memory import heap
 from ..merge import trainability
 from ..merge.proxy import unwrap
 from ..patches.zero3_loading import models_built_whole
-from . import (crash_safe, every_process, layout_change, load_hooks, load_memory, manifest, nvme_resume, param_groups,
-               read_alone)
+from . import (crash_safe, deferred_save, every_process, layout_change, load_hooks, load_memory, manifest,
+               nvme_resume, param_groups, read_alone)
 from .engine_views import merged_view
 
 
@@ -129,7 +129,9 @@ def save_state(wrapped, instance, args, kwargs):
     target = _output_dir(instance, args, kwargs)
     if target is None:
         return wrapped(*args, **kwargs)  # accelerate's own error
-    every_process.wait_for_all(target)  # before any collective: a main-process-only call is named, not waited on
+    # before any collective: a call on the main process alone is handed to the next step where all processes are
+    if not deferred_save.is_running() and not every_process.wait_for_all(target, deferred_save.defer):
+        return target
     rest = {k: v for k, v in kwargs.items() if k != "output_dir"}
 
     def save_into(folder):

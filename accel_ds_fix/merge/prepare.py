@@ -9,6 +9,7 @@ import torch
 from .. import notices
 from ..lookup import deepspeed_config, uses_deepspeed
 from ..memory import check as memory_check
+from ..checkpoints import deferred_save
 from ..patches import (clipping, cpu_threads, gpu_block_release, old_accelerate, zero3_dtypes,
                        zero3_forward_alone, zero3_held_moves, zero3_host_partition, zero3_unprepared)
 from . import engine_per_optimizer, engine_setup, gradient_explanation, textual_inversion, trainability
@@ -87,6 +88,7 @@ def prepare(wrapped, instance, args, kwargs):
     engine = result[first]
 
     proxies = engine_setup.adopt(engine, plan.names, plan.models)
+    deferred_save.arm(instance)  # several processes: a save_state on the main process alone is saved by all
     if zero.get("stage") == 3:
         zero3_forward_alone.watch(plan.models)
     engine._accel_ds_fix_in_optimizer = held

@@ -4,7 +4,9 @@ import copy
 
 import wrapt
 
+from ..checkpoints import deferred_save
 from ..gather import load_full_weights
+from ..patches import zero3_forward_alone
 from .merged_module import TARGET_KEYWORD
 
 
@@ -21,6 +23,9 @@ class ModelProxy(wrapt.BaseObjectProxy):
         self._self_name = name
 
     def __call__(self, *args, **kwargs):
+        # several processes: a save_state the main process alone asked for; a ZeRO-3 forward on it alone
+        deferred_save.at_training_forward()
+        zero3_forward_alone.check(self.__wrapped__)
         kwargs[TARGET_KEYWORD] = self._self_name
         return self._self_engine(*args, **kwargs)
 

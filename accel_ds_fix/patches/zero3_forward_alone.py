@@ -22,16 +22,26 @@ def _several_processes():
         torch.distributed.get_world_size() > 1
 
 
+_armed = False  # a ZeRO-3 prepare() merged models with several processes
+
+
 def watch(models):
-    """A check before each forward of ``models`` without gradients, ahead of DeepSpeed's own hooks."""
+    """A check before each forward of ``models`` without gradients, ahead of DeepSpeed's own hooks (a pipeline
+    calls the models unwrapped); check() does the same for a call through a proxy, before the engine."""
+    global _armed
     if not _several_processes():
         return
+    _armed = True
     for model in models:
         model.register_forward_pre_hook(_before_forward, prepend=True)
 
 
 def _before_forward(module, args):
-    if torch.is_grad_enabled():
+    check(module)
+
+
+def check(module):
+    if not _armed or torch.is_grad_enabled():
         return
     limit = every_process.wait_s(FORWARD_ALONE_S)
     absent = every_process.missing("forward", limit)
