@@ -33,13 +33,8 @@ _rng_after_backward = None  # this process's random states after its last backwa
 def arm(accelerator):
     """Called at a prepare() that merged models, with several processes: start syncing at every training step."""
     global _accelerator
-    if _several_processes():
+    if every_process.several_processes():
         _accelerator = weakref.ref(accelerator)
-
-
-def _several_processes():
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
-        torch.distributed.get_world_size() > 1
 
 
 def is_running():
@@ -64,8 +59,10 @@ def sync(kind):
     """Every process, at a point all reach in the same order: run a save the main process deferred."""
     global _pending, _saving
     accelerator = _accelerator() if _accelerator is not None else None
+    if accelerator is None or _saving:  # not armed: one process, or no merged models (every forward passes here)
+        return
     store, rank, _ = every_process.process_store()
-    if accelerator is None or store is None or _saving:
+    if store is None:
         return
     _counts[kind] = _counts.get(kind, 0) + 1
     key = f"accel_ds_fix/deferred_save/{kind}/{_counts[kind]}"

@@ -27,10 +27,16 @@ NOTICE_AFTER_S = 30
 _calls = {}  # what -> how many times this process got there
 
 
+def several_processes():
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def process_store():
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if not several_processes():
         return None, 0, 1
     try:
         from torch.distributed.distributed_c10d import _get_default_store

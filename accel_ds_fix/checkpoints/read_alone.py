@@ -14,8 +14,6 @@ weight without its copy stops the read with what to do, instead of a wait withou
 import logging
 import weakref
 
-import torch
-
 from .. import notices
 from ..errors import CheckpointError
 from ..lookup import merged_engines
@@ -35,12 +33,7 @@ _drop_hooks = []  # forward pre-hooks on the engines' modules that drop stale co
 
 
 def _partitioned(param):
-    return hasattr(param, "ds_id")
-
-
-def _several_processes():
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
-        torch.distributed.get_world_size() > 1
+    return hasattr(param, "ds_id")  # gather.is_partitioned, which cannot be imported here at start-up
 
 
 def _steps(engines):
@@ -51,7 +44,7 @@ def snapshot_at_barrier(wrapped, instance, args, kwargs):
     """Accelerator.wait_for_everyone: after the barrier, the host copies of the trained ZeRO-3 weights (every
     process is here, so gathering is safe), once per optimizer step."""
     result = wrapped(*args, **kwargs)
-    engines = merged_engines(instance) if _several_processes() else []
+    engines = merged_engines(instance) if every_process.several_processes() else []
     if engines and getattr(engines[0], "zero_optimization_stage", lambda: 0)() == 3:
         _take(engines)
     return result
@@ -122,7 +115,7 @@ def full_values(module, params):
     """{id(param): tensor} for the partitioned ``params`` of ``module``'s state dict that need no collective now:
     fresh host copies of trained weights, and, where this process reads alone, the frozen shards as they are.
     The rest the caller gathers (every process is reading)."""
-    if not _several_processes():
+    if not every_process.several_processes():
         return {}
     from ..gather import shards  # (gather imports this module)
 

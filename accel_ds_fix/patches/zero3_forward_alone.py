@@ -17,11 +17,6 @@ from ..errors import ConfigError
 FORWARD_ALONE_S = 120
 
 
-def _several_processes():
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
-        torch.distributed.get_world_size() > 1
-
-
 _armed = False  # a ZeRO-3 prepare() merged models with several processes
 
 
@@ -29,7 +24,7 @@ def watch(models):
     """A check before each forward of ``models`` without gradients, ahead of DeepSpeed's own hooks (a pipeline
     calls the models unwrapped); check() does the same for a call through a proxy, before the engine."""
     global _armed
-    if not _several_processes():
+    if not every_process.several_processes():
         return
     _armed = True
     for model in models:
