@@ -657,6 +657,54 @@ def save_after_end_training(reference):
     return {"saved": sorted(os.listdir(sys.argv[3])), "te_shapes": [list(v.shape) for v in state.values()][:2]}
 
 
+class ReadsEmbeddingRows(TinyTextEncoder):
+    """transformers' CLIP embeddings: the forward reads a child's weight (its row count) before calling the child."""
+
+    def forward(self, input_ids):
+        rows = self.embed.weight.shape[0]
+        if input_ids.shape[-1] > rows:
+            raise ValueError(f"Sequence length must be less than max_position_embeddings ({rows})")
+        return super().forward(input_ids)
+
+
+@scenario
+def wrapper_called_in_parts(reference):
+    # kohya's --deepspeed (sdxl_train.py, train_db.py): its models go into one wrapper module for prepare(); each
+    # model is then called on its own, never the engine, and saved on its own after accelerator.end_training(),
+    # on the main process alone (as kohya saves) where `accelerate launch --num_processes 2` started two.
+    # --reference: the engine called with the whole step, its weights read by accelerate's get_state_dict on
+    # every process.
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if several:  # on the CPU, accelerate would give each DeepSpeed process a world of its own
+        from accelerate import PartialState
+
+        PartialState(backend="gloo")
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_gather_16bit_weights_on_model_save": True}}
+    acc = accelerator(config=config)
+    set_seed(0)
+    unet, te = TinyUNet(), ReadsEmbeddingRows()
+    initial = {f"{name}.{k}": v.clone() for name, m in (("tinyunet", unet), ("tinytextencoder", te))
+               for k, v in m.state_dict().items()}
+    wrapper = Together(tinyunet=unet, tinytextencoder=te)
+    engine, opt, dl = acc.prepare(wrapper, torch.optim.AdamW(wrapper.parameters(), lr=1e-2), data(steps=5))
+    step = engine if reference else (lambda ids, lat: unet(lat, te(ids)))
+    losses = train(acc, step, opt, dl, (engine,))
+    acc.wait_for_everyone()
+    acc.end_training()
+    if reference:
+        whole = acc.get_state_dict(engine) or {}  # (the main process's, None on the others)
+        state = {k.removeprefix("models."): v for k, v in whole.items()}
+    elif acc.is_main_process:
+        state = {f"{name}.{k}": v for name, m in (("tinyunet", unet), ("tinytextencoder", te))
+                 for k, v in m.state_dict().items()}
+    else:
+        state = {}
+    return {"losses": losses, "weights": {k: v.flatten().tolist() for k, v in state.items()},
+            "changed": sorted(k for k, v in state.items() if not torch.equal(v, initial[k]))}
+
+
 @scenario
 def single_model_hooks(reference):
     # Nothing merged: hooks are registered and called exactly as without the package.

@@ -1,9 +1,12 @@
 """save_state/load_state resume exactly; every model exports its own full weights, ZeRO-3 included."""
 
 import json
+import sys
 
 import pytest
 import torch
+
+from conftest import SCENARIOS, run
 
 STAGES = {"zero2": ["--zero-stage", "2"], "zero3": ["--zero-stage", "3"]}
 
@@ -91,6 +94,28 @@ def test_state_and_weights_save_after_end_training(scenario, tmp_path, stage):
     out = json.loads(scenario("save_after_end_training", stage, str(tmp_path / "final")).stdout.strip().splitlines()[-1])
     assert "accel_ds_fix.json" in out["saved"] and "pytorch_model" in out["saved"]
     assert out["te_shapes"] == [[32, 16], [16, 16]]
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_wrapper_whose_models_are_called_and_saved_one_by_one_trains_and_saves_under_zero3(scenario, processes):
+    # kohya's --deepspeed: one wrapper module prepared, its models called directly (DeepSpeed alone: "Sequence length
+    # must be less than max_position_embeddings (0)" in CLIP's embeddings) and saved one by one after
+    # end_training() (DeepSpeed alone: every weight an empty shard in the saved file), with two processes on the
+    # main process alone (a gather there alone would wait for the other process for ever)
+    def result(*flags):
+        if processes == 1:
+            return json.loads(scenario("wrapper_called_in_parts", *flags).stdout.strip().splitlines()[-1])
+        proc = run([sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
+                    "--zero_stage", "3", "--mixed_precision", "no", "--num_machines", "1", SCENARIOS,
+                    "wrapper_called_in_parts", *flags], timeout=300)
+        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        return next(r for r in lines if r["weights"])  # the main process's
+
+    parts, whole = result(), result("--reference")
+    assert len(parts["losses"]) == 5 // processes + (5 % processes > 0) and parts["losses"] == whole["losses"]
+    assert parts["weights"] == whole["weights"]
+    assert parts["weights"]["tinytextencoder.embed.weight"] and len(parts["weights"]) == 11
+    assert parts["changed"] == sorted(parts["weights"])  # every weight trained
 
 
 def test_a_resume_short_of_host_memory_for_deepspeeds_load_stops_before_loading(scenario, tmp_path):

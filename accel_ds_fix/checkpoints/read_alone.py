@@ -16,7 +16,7 @@ import weakref
 
 from .. import notices
 from ..errors import CheckpointError
-from ..lookup import merged_engines
+from ..lookup import engines_read_in_parts
 from . import every_process
 
 # A host copy on every process: a LoRA's trained weights are megabytes; a full fine-tune's are the model.
@@ -44,7 +44,7 @@ def snapshot_at_barrier(wrapped, instance, args, kwargs):
     """Accelerator.wait_for_everyone: after the barrier, the host copies of the trained ZeRO-3 weights (every
     process is here, so gathering is safe), once per optimizer step."""
     result = wrapped(*args, **kwargs)
-    engines = merged_engines(instance) if every_process.several_processes() else []
+    engines = engines_read_in_parts(instance) if every_process.several_processes() else []
     if engines and getattr(engines[0], "zero_optimization_stage", lambda: 0)() == 3:
         _take(engines)
     return result
@@ -68,7 +68,8 @@ def _take(engines):
                 _copies[id(param)] = (weakref.ref(param), param.data.detach().to("cpu", copy=True))
     _taken_at = ([weakref.ref(e) for e in engines], steps)
     # the copies are dropped at the first forward after the next step: host memory only while they can be read
-    _drop_hooks.extend(e.module.register_forward_pre_hook(_drop_when_stale) for e in engines)
+    # (on every module: kohya's --deepspeed calls the models inside its wrapper, never the wrapper)
+    _drop_hooks.extend(m.register_forward_pre_hook(_drop_when_stale) for e in engines for m in e.module.modules())
 
 
 def _drop_when_stale(*_):

@@ -6,11 +6,11 @@ import logging
 
 import torch
 
-from .. import notices
+from .. import gather, notices
 from ..lookup import deepspeed_config, uses_deepspeed
 from ..memory import check as memory_check
 from ..checkpoints import deferred_save
-from ..patches import (clipping, cpu_threads, gpu_block_release, old_accelerate, zero3_dtypes,
+from ..patches import (clipping, cpu_threads, gpu_block_release, old_accelerate, zero3_direct_calls, zero3_dtypes,
                        zero3_forward_alone, zero3_held_moves, zero3_host_partition, zero3_unprepared)
 from . import engine_per_optimizer, engine_setup, gradient_explanation, textual_inversion, trainability
 from .merge_plan import MergePlan, is_optimizer
@@ -59,10 +59,16 @@ def prepare(wrapped, instance, args, kwargs):
     if models and sum(1 for obj in args if is_optimizer(obj)) > 1:  # GAN-style: one engine per optimizer
         return engine_per_optimizer.prepare(wrapped, instance, args, kwargs, config)
     if len(models) < 2:
-        if models and zero.get("stage") == 3:
-            dtype = zero3_dtypes.training_dtype(config, getattr(instance, "mixed_precision", None))
-            zero3_host_partition.partition_from_host(models[0], config, dtype, instance.device)
-        return wrapped(*args, **kwargs)
+        if not (models and zero.get("stage") == 3):
+            return wrapped(*args, **kwargs)
+        dtype = zero3_dtypes.training_dtype(config, getattr(instance, "mixed_precision", None))
+        zero3_host_partition.partition_from_host(models[0], config, dtype, instance.device)
+        result = wrapped(*args, **kwargs)
+        engine = result[args.index(models[0])] if isinstance(result, (tuple, list)) else result
+        # kohya's --deepspeed wraps its models in one module: it calls them, and saves them, one by one
+        zero3_direct_calls.watch(engine)
+        gather.add_full_weight_hooks(list(engine.module.modules())[1:])  # the root's state_dict is DeepSpeed's
+        return result
 
     plan = MergePlan(args)
     plan.check(offload_device=offload_device, force_cpu_optimizer=force_cpu_optimizer)

@@ -1,13 +1,14 @@
-"""Accelerator.end_training with merged models. Since accelerate 0.34 it destroys the process group, and kohya's
+"""Accelerator.end_training under DeepSpeed. Since accelerate 0.34 it destroys the process group, and kohya's
 scripts call it before their final save_state() and model save, which DeepSpeed's checkpointing and ZeRO-3's
-gathering need: the final state and weights of the run were lost (with or without this package). With merged
-models the group is destroyed when the process exits instead; everything else end_training does happens now."""
+gathering need: the final state and weights of the run were lost (with or without this package). Once a model
+is prepared for DeepSpeed (merged models, or kohya's --deepspeed wrapper) the group is destroyed when the process
+exits instead; everything else end_training does happens now."""
 
 import atexit
 
 import torch
 
-from ..lookup import merged_engine
+from ..lookup import uses_deepspeed
 
 _registered = False
 
@@ -25,7 +26,7 @@ def _defer(group=None):
 
 
 def end_training(wrapped, instance, args, kwargs):
-    if merged_engine(instance) is None:
+    if not (uses_deepspeed(instance) and instance._models):
         return wrapped(*args, **kwargs)
     state = instance.state
     state.destroy_process_group = _defer  # shadows the method for this call only

@@ -30,8 +30,9 @@ def _missing(path):
 def _advice():
     return (
         "Give an absolute path in the accelerate config, or a path relative to the YAML file itself (found "
-        "when ACCEL_DS_FIX=1 is set for `accelerate launch`); `python -m accel_ds_fix plan --write DIR` writes "
-        "a YAML + JSON pair with absolute paths."
+        "when ACCEL_DS_FIX=1 is set for the `accelerate launch` command; `python -m accelerate.commands.launch` "
+        "runs the launcher as __main__, where the fix cannot reach it); `python -m accel_ds_fix plan --write DIR` "
+        "writes a YAML + JSON pair with absolute paths."
     )
 
 

@@ -24,6 +24,7 @@ Flux.1-dev's. The whole pipeline is 33.6 GB; drawn on a 2-core CPU, 0.1 GB/s (`-
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -57,13 +58,13 @@ def clip_l(projection=False, **overrides):
     return (CLIPTextModelWithProjection if projection else CLIPTextModel)(CLIPTextConfig(**config))
 
 
-def clip_g():
+def clip_g(**overrides):
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
-    return CLIPTextModelWithProjection(CLIPTextConfig(hidden_size=1280, intermediate_size=5120,
-                                                      num_attention_heads=20, num_hidden_layers=32,
-                                                      max_position_embeddings=77, vocab_size=49408,
-                                                      projection_dim=1280, hidden_act="gelu"))
+    config = dict(hidden_size=1280, intermediate_size=5120, num_attention_heads=20, num_hidden_layers=32,
+                  max_position_embeddings=77, vocab_size=49408, projection_dim=1280, hidden_act="gelu")
+    config.update(overrides)
+    return CLIPTextModelWithProjection(CLIPTextConfig(**config))
 
 
 def t5_xxl(**overrides):
@@ -122,18 +123,32 @@ def sd35(layers, heads, caption, pos, dual):
         "vae": vae(16)}
 
 
-def sdxl():
+# SDXL's published UNet; --tiny narrows it to SDXL_TINY_CHANNELS (kohya's sdxl_train.py rebuilds it as its own
+# SdxlUNet2DConditionModel, which bench/kohya/kohya_val.py's KOHYA_VAL_SDXL_CHANNELS narrows alike) with both text
+# encoders at their widths (the UNet's 2048-wide cross-attention is theirs together), CLIP-G with two layers
+# (kohya reads CLIP-L's 11th hidden state, so CLIP-L keeps its 12)
+SDXL_TINY_CHANNELS = 64
+
+
+def sdxl(tiny=False, token_ids=None):
     from diffusers import UNet2DConditionModel
 
-    unet = UNet2DConditionModel(sample_size=128, block_out_channels=(320, 640, 1280), layers_per_block=2,
+    c = SDXL_TINY_CHANNELS if tiny else 320
+    unet = UNet2DConditionModel(sample_size=128, block_out_channels=(c, 2 * c, 4 * c), layers_per_block=2,
                                 down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
                                 up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-                                transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20),
+                                transformer_layers_per_block=(1, 2, 10), attention_head_dim=(c // 64, c // 32, c // 16),
                                 cross_attention_dim=2048, addition_embed_type="text_time",
                                 addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
                                 use_linear_projection=True)
-    return "StableDiffusionXLPipeline", {"unet": unet, "text_encoder": clip_l(), "text_encoder_2": clip_g(),
-                                         "vae": vae(4)}
+    tokens = {}
+    if token_ids:
+        tokens = dict(bos_token_id=token_ids["bos"], eos_token_id=token_ids["eos"], pad_token_id=token_ids["pad"])
+    layers = dict(num_hidden_layers=2) if tiny else {}
+    vae_shape = dict(block_out_channels=(32,) * 4, layers_per_block=1, norm_num_groups=8) if tiny else {}
+    return "StableDiffusionXLPipeline", {"unet": unet, "text_encoder": clip_l(**tokens),
+                                         "text_encoder_2": clip_g(**tokens, **layers),
+                                         "vae": vae(4, **vae_shape, scaling_factor=0.13025, sample_size=1024)}
 
 
 KINDS = {
@@ -150,6 +165,10 @@ def checkpoint_tensors(model):
     tied = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     tensors = dict(model.named_parameters())
     tensors.update((n, t) for n, t in model.state_dict().items() if n not in tied)
+    if type(model).__name__ == "CLIPTextModel" and not any(n.startswith("text_model.") for n in tensors):
+        # transformers >= 5 dropped the text_model level of CLIPTextModel; the published checkpoints keep it,
+        # and transformers 4 (kohya's pin) loads only that layout (5 reads both)
+        tensors = {"text_model." + n: t for n, t in tensors.items()}
     return tensors
 
 
@@ -234,27 +253,33 @@ def save_config(model, folder):
         model.config.save_pretrained(folder)
 
 
-def tokenizers(out):
-    """The tiny offline tokenizers, saved into OUT/tokenizer and OUT/tokenizer_2: their ids and classes."""
+def tokenizers(out, second="t5"):
+    """The tiny offline tokenizers, saved into OUT/tokenizer and OUT/tokenizer_2 (T5's for Flux, a second CLIP
+    tokenizer for SDXL): their ids and classes."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import tiny_tokenizers
 
     clip = tiny_tokenizers.clip_tokenizer(os.path.join(out, "tokenizer"))
-    t5 = tiny_tokenizers.t5_tokenizer(model_max_length=512)
+    other = tiny_tokenizers.t5_tokenizer(model_max_length=512) if second == "t5" else clip
     clip.save_pretrained(os.path.join(out, "tokenizer"))
-    t5.save_pretrained(os.path.join(out, "tokenizer_2"))
+    if other is clip:  # with the vocabulary files that transformers 4's slow CLIPTokenizer reads
+        shutil.copytree(os.path.join(out, "tokenizer"), os.path.join(out, "tokenizer_2"), dirs_exist_ok=True)
+    else:
+        other.save_pretrained(os.path.join(out, "tokenizer_2"))
     vocab = clip.get_vocab()
     ids = {"bos": vocab["<|startoftext|>"], "eos": vocab["<|endoftext|>"], "pad": vocab["<|endoftext|>"],
-           "clip_vocab": len(vocab), "t5_vocab": len(t5)}
-    return ids, {"tokenizer": ["transformers", type(clip).__name__], "tokenizer_2": ["transformers", type(t5).__name__]}
+           "clip_vocab": len(vocab), "t5_vocab": len(other)}
+    return ids, {"tokenizer": ["transformers", type(clip).__name__],
+                 "tokenizer_2": ["transformers", type(other).__name__]}
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("kind", choices=sorted(KINDS))
     p.add_argument("out")
-    p.add_argument("--random", action="store_true", help="flux-dev: random bf16 weights, a loadable pipeline")
-    p.add_argument("--tiny", action="store_true", help="with --random: make_tiny_pipeline.py's tiny Flux shapes")
+    p.add_argument("--random", action="store_true", help="flux-dev, sdxl: random bf16 weights, a loadable pipeline")
+    p.add_argument("--tiny", action="store_true", help="with --random: make_tiny_pipeline.py's tiny Flux shapes; "
+                   "SDXL's UNet narrowed to %d channels, CLIP-G with two layers" % SDXL_TINY_CHANNELS)
     p.add_argument("--blocks", help="flux-dev: D,S double and single transformer blocks at the real widths")
     p.add_argument("--t5-layers", type=int, help="flux-dev: T5 with this many layers at the real width (d_model "
                    "4096, which the transformer's context embedder takes)")
@@ -264,8 +289,8 @@ def main():
                    help="with --random: where the values are drawn (default: cuda where there is one)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    if args.tiny and not args.random or args.random and args.kind != "flux-dev":
-        p.error("--tiny goes with --random, which makes flux-dev only")
+    if args.tiny and not args.random or args.random and args.kind not in ("flux-dev", "sdxl"):
+        p.error("--tiny goes with --random, which makes flux-dev and sdxl")
     if (args.blocks or args.t5_layers) and args.kind != "flux-dev":
         p.error("--blocks and --t5-layers are flux-dev's")
     os.makedirs(args.out, exist_ok=True)
@@ -275,17 +300,27 @@ def main():
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         index["_diffusers_version"] = diffusers.__version__
-        token_ids, tokenizer_entries = tokenizers(args.out)
-        FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15,
-                                        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True
-                                        ).save_pretrained(os.path.join(args.out, "scheduler"))
-        index.update(tokenizer_entries, scheduler=["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        token_ids, tokenizer_entries = tokenizers(args.out, "t5" if args.kind == "flux-dev" else "clip")
+        if args.kind == "flux-dev":
+            scheduler = FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096,
+                                                        max_shift=1.15, num_train_timesteps=1000, shift=3.0,
+                                                        use_dynamic_shifting=True)
+        else:  # SDXL base's published scheduler
+            from diffusers import EulerDiscreteScheduler
+
+            scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                               num_train_timesteps=1000, steps_offset=1, timestep_spacing="leading")
+            index["force_zeros_for_empty_prompt"] = True
+        scheduler.save_pretrained(os.path.join(args.out, "scheduler"))
+        index.update(tokenizer_entries, scheduler=["diffusers", type(scheduler).__name__],
                      feature_extractor=[None, None], image_encoder=[None, None])
     with torch.device("meta"):
         if args.kind == "flux-dev":
             blocks = tuple(int(b) for b in args.blocks.split(",")) if args.blocks else None
             index["_class_name"], components = flux_dev(FLUX_TINY if args.tiny else FLUX_DEV, blocks, token_ids,
                                                         args.t5_layers)
+        elif args.kind == "sdxl":
+            index["_class_name"], components = sdxl(args.tiny, token_ids)
         else:
             index["_class_name"], components = KINDS[args.kind]()
     generator = torch.Generator(args.device).manual_seed(args.seed)

@@ -9,6 +9,10 @@
 - KOHYA_VAL_UNET_CHANNELS=32,64,64,64: kohya's own UNet (library/original_unet.py, whose widths are module constants
   fixed at SD1.5's) built this narrow, to match `make_inputs.py --unet-channels`: the SD1.5 layout at a size that a
   CPU machine trains under every tier (a rehearsal; the script itself is not changed).
+- KOHYA_VAL_SDPA=no-cudnn: torch.backends.cuda.enable_cudnn_sdp(False) in the training process (cuDNN's attention
+  backward is broken on the lent GPU stack: docs/gpu.md run 13).
+- KOHYA_VAL_SDXL_CHANNELS=64: kohya's own SDXL UNet (library/sdxl_original_unet.py, SDXL's widths as module
+  constants) built that narrow, to match `make_shape_pipeline.py sdxl --random --tiny`: sdxl_train.py's rehearsal.
 """
 import atexit
 import json
@@ -43,6 +47,9 @@ def _patch(accelerate):
         if os.environ.get("KOHYA_VAL_JAN2023_SHIM") == "1" and "logging_dir" in kwargs:
             kwargs["project_dir"] = kwargs.pop("logging_dir")
         init(self, *args, **kwargs)
+        if os.environ.get("KOHYA_VAL_SDPA") == "no-cudnn":
+            import torch
+            torch.backends.cuda.enable_cudnn_sdp(False)
         cap = os.environ.get("KOHYA_VAL_CAP_GIB")
         if cap:
             import torch
@@ -69,9 +76,17 @@ def _narrow_unet(original_unet):
     original_unet.TIME_EMBED_DIM = channels[0] * 4
 
 
+def _narrow_sdxl_unet(sdxl_original_unet):
+    channels = int(os.environ["KOHYA_VAL_SDXL_CHANNELS"])
+    sdxl_original_unet.MODEL_CHANNELS = channels
+    sdxl_original_unet.TIME_EMBED_DIM = channels * 4
+
+
 if OUT:
     import wrapt
     wrapt.register_post_import_hook(_patch, "accelerate")
     if os.environ.get("KOHYA_VAL_UNET_CHANNELS"):
         wrapt.register_post_import_hook(_narrow_unet, "library.original_unet")
+    if os.environ.get("KOHYA_VAL_SDXL_CHANNELS"):
+        wrapt.register_post_import_hook(_narrow_sdxl_unet, "library.sdxl_original_unet")
     atexit.register(_write)
