@@ -687,8 +687,10 @@ def wrapper_called_in_parts(reference):
     unet, te = TinyUNet(), ReadsEmbeddingRows()
     initial = {f"{name}.{k}": v.clone() for name, m in (("tinyunet", unet), ("tinytextencoder", te))
                for k, v in m.state_dict().items()}
+    te.norm.requires_grad_(False)  # kohya freezes CLIP-L's last layer, and saves it with the model
     wrapper = Together(tinyunet=unet, tinytextencoder=te)
-    engine, opt, dl = acc.prepare(wrapper, torch.optim.AdamW(wrapper.parameters(), lr=1e-2), data(steps=5))
+    trained = [p for p in wrapper.parameters() if p.requires_grad]
+    engine, opt, dl = acc.prepare(wrapper, torch.optim.AdamW(trained, lr=1e-2), data(steps=5))
     step = engine if reference else (lambda ids, lat: unet(lat, te(ids)))
     losses = train(acc, step, opt, dl, (engine,))
     acc.wait_for_everyone()

@@ -5,9 +5,9 @@ Every diffusers DreamBooth script exports after training under ``if accelerator.
 across the processes, and gathering one is a collective: read on one process, it waited for the others, which had
 finished training and left. So at each ``accelerator.wait_for_everyone()`` after an optimizer step (the scripts
 call it right before exporting), every process keeps a host copy of the trained weights, where they are a LoRA's
-size (at most SNAPSHOT_LIMIT_BYTES), until the first forward after the next step; a ``state_dict()`` takes those
-while no step has run since. Frozen weights
-that ZeRO-3 partitioned (a LoRA's base) can still only be gathered by every process together: read on one
+size (at most SNAPSHOT_LIMIT_BYTES), with the frozen ones where they are fewer (a full fine-tune's), until the first forward after the next
+step; a ``state_dict()`` takes those while no step has run since. Frozen weights
+that ZeRO-3 partitioned beyond that (a LoRA's base) can still only be gathered by every process together: read on one
 process, they stay shape-[0] shards in that state dict, with a warning (a LoRA export drops them), and a trained
 weight without its copy stops the read with what to do, instead of a wait without end."""
 
@@ -55,14 +55,19 @@ def _take(engines):
     steps = _steps(engines)
     if _taken_at is not None and _same(_taken_at[0], engines) and _taken_at[1] == steps:
         return
-    trained = [p for e in engines for p in e.module.parameters() if p.requires_grad and _partitioned(p)]
-    size = sum(p.ds_numel * p.element_size() for p in trained)
+    partitioned = [p for e in engines for p in e.module.parameters() if _partitioned(p)]
+    trained = [p for p in partitioned if p.requires_grad]
     forget()
-    if not trained or size > SNAPSHOT_LIMIT_BYTES:
+    if not trained or _bytes(trained) > SNAPSHOT_LIMIT_BYTES:
         return
+    # the frozen weights too where they are the few of a full fine-tune (kohya freezes CLIP-L's last layer and saves
+    # the whole model), not a LoRA's base
+    frozen = [p for p in partitioned if not p.requires_grad]
+    few = _bytes(frozen) <= _bytes(trained) and _bytes(partitioned) <= SNAPSHOT_LIMIT_BYTES
+    kept = partitioned if few else trained
     import deepspeed
 
-    for chunk in _chunks(trained):  # a few collectives for a LoRA's hundreds of weights, little on the card at once
+    for chunk in _chunks(kept):  # a few collectives for a LoRA's hundreds of weights, little on the card at once
         with deepspeed.zero.GatheredParameters(chunk, modifier_rank=None):
             for param in chunk:
                 _copies[id(param)] = (weakref.ref(param), param.data.detach().to("cpu", copy=True))
@@ -70,6 +75,10 @@ def _take(engines):
     # the copies are dropped at the first forward after the next step: host memory only while they can be read
     # (on every module: kohya's --deepspeed calls the models inside its wrapper, never the wrapper)
     _drop_hooks.extend(m.register_forward_pre_hook(_drop_when_stale) for e in engines for m in e.module.modules())
+
+
+def _bytes(params):
+    return sum(p.ds_numel * p.element_size() for p in params)
 
 
 def _drop_when_stale(*_):

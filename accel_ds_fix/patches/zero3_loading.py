@@ -10,6 +10,12 @@ does the same for the older releases. A device_map is still refused: it is a rea
 
 models_built_whole(): where a model must come out whole instead (a save or load hook's own model, a pipeline loaded
 after training), transformers is told for that while that no ZeRO-3 config is registered.
+
+Building under zero.Init is a collective: with several processes, every process must load the model together.
+kohya's scripts load on one process at a time (to spare host memory: process 0 loads while the others wait at a
+barrier), which waited for ever, with DeepSpeed alone too. A process whose load the others do not join within
+LOAD_TOGETHER_S builds it whole, as do the others when their turn comes (every_process.missing decides alike for
+all); prepare() partitions it from host memory then.
 """
 
 import contextlib
@@ -17,6 +23,10 @@ import logging
 import sys
 
 from .. import notices
+from ..checkpoints import every_process
+
+# Processes that load together reach the same from_pretrained within moments of each other.
+LOAD_TOGETHER_S = 10
 
 
 def _zero3_enabled():
@@ -28,12 +38,21 @@ def _zero3_enabled():
 
 
 def drop_low_cpu_mem_usage(wrapped, instance, args, kwargs):
-    """PreTrainedModel.from_pretrained: without low_cpu_mem_usage=True under ZeRO-3 (no device_map)."""
-    if kwargs.get("low_cpu_mem_usage") and kwargs.get("device_map") is None and _zero3_enabled():
+    """PreTrainedModel.from_pretrained under ZeRO-3: without low_cpu_mem_usage=True (no device_map); built whole
+    where the processes load it one at a time."""
+    if not _zero3_enabled():
+        return wrapped(*args, **kwargs)
+    if kwargs.get("low_cpu_mem_usage") and kwargs.get("device_map") is None:
         kwargs = {k: v for k, v in kwargs.items() if k != "low_cpu_mem_usage"}
         notices.say("ZeRO-3: transformers builds the model under zero.Init, a shard at a time; low_cpu_mem_usage="
                     "True, which this transformers release refuses there, is dropped (as transformers >= 4.51 does)",
                     level=logging.INFO, once_key="low_cpu_mem_usage")
+    if every_process.several_processes() and every_process.missing("from_pretrained", LOAD_TOGETHER_S):
+        notices.say("ZeRO-3: the processes load the model one at a time (kohya's scripts do), and building it under "
+                    "zero.Init would need all of them together: each builds it whole instead, and prepare() "
+                    "partitions it from host memory", level=logging.INFO, once_key="loaded_in_turn")
+        with models_built_whole():
+            return wrapped(*args, **kwargs)
     return wrapped(*args, **kwargs)
 
 
