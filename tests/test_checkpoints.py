@@ -108,8 +108,13 @@ def test_a_wrapper_whose_models_are_called_and_saved_one_by_one_trains_and_saves
         proc = run([sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
                     "--zero_stage", "3", "--mixed_precision", "no", "--num_machines", "1", SCENARIOS,
                     "wrapper_called_in_parts", *flags], timeout=300)
-        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-        return next(r for r in lines if r["weights"])  # the main process's
+        # each process prints its result; two may share a line of the launcher's output
+        decoder, results, at = json.JSONDecoder(), [], proc.stdout.find('{"losses"')
+        while at != -1:
+            result, end = decoder.raw_decode(proc.stdout, at)
+            results.append(result)
+            at = proc.stdout.find('{"losses"', end)
+        return next(r for r in results if r["weights"])  # the main process's
 
     parts, whole = result(), result("--reference")
     assert len(parts["losses"]) == 5 // processes + (5 % processes > 0) and parts["losses"] == whole["losses"]
