@@ -685,8 +685,12 @@ def wrapper_called_in_parts(reference):
     acc = accelerator(config=config)
     set_seed(0)
     unet, te = TinyUNet(), ReadsEmbeddingRows()
-    initial = {f"{name}.{k}": v.clone() for name, m in (("tinyunet", unet), ("tinytextencoder", te))
-               for k, v in m.state_dict().items()}
+
+    def each_models_state():  # as kohya saves: the state_dict() of each model on its own
+        return {f"{name}.{k}": v for name, m in (("tinyunet", unet), ("tinytextencoder", te))
+                for k, v in m.state_dict().items()}
+
+    initial = {k: v.clone() for k, v in each_models_state().items()}
     te.norm.requires_grad_(False)  # kohya freezes CLIP-L's last layer, and saves it with the model
     wrapper = Together(tinyunet=unet, tinytextencoder=te)
     trained = [p for p in wrapper.parameters() if p.requires_grad]
@@ -699,8 +703,7 @@ def wrapper_called_in_parts(reference):
         whole = acc.get_state_dict(engine) or {}  # (the main process's, None on the others)
         state = {k.removeprefix("models."): v for k, v in whole.items()}
     elif acc.is_main_process:
-        state = {f"{name}.{k}": v for name, m in (("tinyunet", unet), ("tinytextencoder", te))
-                 for k, v in m.state_dict().items()}
+        state = each_models_state()
     else:
         state = {}
     return {"losses": losses, "weights": {k: v.flatten().tolist() for k, v in state.items()},
