@@ -22,6 +22,20 @@ def test_resume_in_new_process_continues_exactly(train, tmp_path, stage):
     assert list(saved["models"]) == ["tinyunet", "tinytextencoder"]
 
 
+@pytest.mark.parametrize("stage", ["2", "3"], ids=["zero2-offload", "zero3-offload"])
+def test_a_resume_under_cpu_offload_continues_exactly_from_any_step(train, tmp_path, stage):
+    """DeepSpeed's CPU Adam keeps beta**step as a float32 product, which a new process would start with pow(): a save
+    after step 2 resumed 6e-7 off the run that went on (issue 41, item 6). Saves after steps 1, 2 and 3, each
+    resumed to step 6 (the example's learning rate decays, its gradients are clipped at 1.0)."""
+    args = ["--zero-stage", stage, "--offload", "cpu", "--import-fix"]
+    uninterrupted = train(*args, "--steps", "6")["losses"]
+    for saved_at in (1, 2, 3):
+        ckpt = tmp_path / f"ckpt{saved_at}"  # a folder that does not exist yet, as scripts save
+        train(*args, "--steps", str(saved_at), "--save-state", ckpt)
+        rest = train(*args, "--resume", ckpt, "--first-step", str(saved_at), "--steps", str(6 - saved_at))["losses"]
+        assert rest == uninterrupted[saved_at:], saved_at
+
+
 def load(path):
     if path.is_dir():
         path = path / "pytorch_model.bin"

@@ -96,6 +96,13 @@ def test_killed_saves_zero2_offload_resume_the_previous_checkpoint_or_are_refuse
         f"checkpoint at {ckpt} is untouched. Free some space or save elsewhere." in full.stderr
     # rename:1 killed the save between moving the old folder away and the new one in. Its new folder was whole (its
     # manifest written, every file flushed): the next load_state puts it in place and resumes it, with no other save.
+    # Either folder the cut swap left, passed to load_state, is refused with the target that resumes named.
+    for leftover in (tmp_path / ".accel_ds_fix-partial.ckpt", tmp_path / ".accel_ds_fix-old.ckpt"):
+        refused = resume_from(stage, leftover, 5, tmp_path / "refused.json", check=False)
+        assert (f"{REFUSED}{leftover}: it is the temporary folder of a save_state into {ckpt} that did not finish "
+                f"(killed or interrupted), not a checkpoint. Nothing was loaded. load_state({ckpt}) resumes the "
+                "checkpoint that save wrote: its files are whole (checked against its manifest), and the load puts "
+                "it in place first.") in refused.stderr, refused.stderr[-3000:]
     recovered = resume_from(stage, ckpt, 5, tmp_path / "recovered.json")
     assert (f"put the checkpoint that a save_state cut off at its end had written in place at {ckpt} (its files are "
             "whole: checked against its manifest)") in recovered.stderr
@@ -276,3 +283,45 @@ def test_a_first_save_on_a_full_disk_says_what_it_needs(tmp_path, small_disk):
     assert re.search(rf"save_state\({ckpt}\) ran out of disk space \(the disk is full\) after writing [\d.]+ KiB: it "
                      r"needs about [\d.]+ KiB and the disk of \S+ had [\d.]+ (KiB|MiB) free when it started\. Nothing "
                      r"of it was kept\. Free some space", proc.stderr), proc.stderr[-3000:]
+
+
+def _saved_bytes(folder):
+    return sum(f["size"] for f in json.loads((folder / "accel_ds_fix.json").read_text())["files"].values())
+
+
+def test_another_runs_checkpoint_beside_the_target_does_not_size_the_save(train, tmp_path, small_disk):
+    """Issue 41, item 6: a save into a folder that does not exist yet (as scripts save), beside another run's larger
+    checkpoint that leaves room for this save but not for its own size, is written and resumes; a disk that fills
+    mid-save names this run's size, not the neighbour's; a disk without room for this run's weights and optimizer
+    states refuses the save before anything is written."""
+    stage = STAGES["zero2-offload"]
+    large = small_disk / "out" / "large"
+    train(*stage, "--import-fix", "--width", "256", "--steps", "1", "--save-state", large)
+    neighbour = _saved_bytes(large)
+    assert shutil.disk_usage(small_disk).free < neighbour  # sized by the neighbour, the save was refused
+    new = small_disk / "out" / "new"
+    reference = train(*stage, "--import-fix", "--steps", "5", "--save-state", new, "--save-state-at", "3")
+    written = _saved_bytes(new)
+    resume_from(stage, new, 3, tmp_path / "resumed.json")
+    assert json.loads((tmp_path / "resumed.json").read_text())["losses"] == reference["losses"][3:5]
+
+    other = small_disk / "out" / "other"
+    full = child("fill:1", other, EXAMPLE, *stage, "--import-fix", "--steps", "2", "--save-state", other)
+    assert full.returncode != 0
+    need = re.search(rf"save_state\({other}\) ran out of disk space \(the disk is full\) after writing [\d.]+ KiB: it "
+                     r"needs about ([\d.]+) KiB and", full.stderr)
+    assert need, full.stderr[-3000:]
+    assert 0.1 * written / 1024 < float(need.group(1)) <= written / 1024  # this run's, a lower bound of its save
+    assert not list(small_disk.glob("out/.accel_ds_fix-*"))
+
+    (small_disk / "out" / "filler").unlink()
+    with open(small_disk / "out" / "filler", "wb") as f:  # a real disk with 4 KiB left: less than this run's states
+        f.write(b"\0" * (shutil.disk_usage(small_disk).free - 4096))
+    refused = child("count:" + str(tmp_path / "files.txt"), other, EXAMPLE, *stage, "--import-fix", "--steps", "2",
+                    "--save-state", other)
+    assert refused.returncode != 0
+    assert re.search(rf"CheckpointError: accel_ds_fix: save_state\({other}\) needs about [\d.]+ KiB \(this run's "
+                     r"weights and optimizer states\) and the disk has [\d.]+ KiB free\. Nothing was written\. Free "
+                     "some space or save elsewhere.", refused.stderr), refused.stderr[-3000:]
+    assert not (tmp_path / "files.txt").exists() and not other.exists()
+    assert _saved_bytes(new) == written and _saved_bytes(large) == neighbour

@@ -18,6 +18,7 @@ import pytest
 from accel_ds_fix.memory import tiers
 from accel_ds_fix.nvme import prerequisites as nvme_prerequisites
 from accel_ds_fix.ops import libaio
+from accel_ds_fix.units import size_in_words
 from conftest import EXAMPLE, ROOT, clean_env, run, skip_without_nvme
 
 PROBE = ROOT / "tests" / "nvme_probe.py"
@@ -213,6 +214,17 @@ def test_an_nvme_folder_in_ram_or_without_room_is_named(disk_folder):
     assert errors and errors[0].startswith(f"disk: the NVMe offload folder {disk_folder} needs ") and not warnings
     errors, warnings = nvme_prerequisites.room_problems(config, GIB, free)
     assert not errors and "each save_state writes about" in warnings[0]
+
+
+@pytest.mark.quick
+def test_nvme_room_messages_show_small_sizes_in_a_unit_that_shows_them(tmp_path):
+    # A tiny model's swap files and checkpoint read "0.0 GiB" before (issue 41, item 6).
+    config = tiers.BY_NAME["zero3-nvme"].deepspeed_config(str(tmp_path))
+    free = nvme_prerequisites.free_bytes(tmp_path)
+    _, warnings = nvme_prerequisites.room_problems(config, 5 * 2**20, free)
+    assert "the swap files take 5.0 MiB and each save_state writes about " in warnings[0], warnings
+    assert [size_in_words(n) for n in (300 * 2**10, 5 * 2**20, 3 * GIB, 40 * GIB)] == [
+        "300.0 KiB", "5.0 MiB", "3.00 GiB", "40.0 GiB"]
 
 
 def test_plan_measures_the_nvme_folder_and_predicts_the_run(disk_folder):

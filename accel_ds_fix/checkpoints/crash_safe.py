@@ -21,6 +21,7 @@ import threading
 
 from .. import notices
 from ..errors import CheckpointError
+from ..units import size_in_words as _gib
 from . import manifest
 
 PARTIAL = ".accel_ds_fix-partial."
@@ -37,12 +38,6 @@ def is_temporary(name):
 def _beside(target, prefix):
     target = os.path.normpath(target)
     return os.path.join(os.path.dirname(target), prefix + os.path.basename(target))
-
-
-def _gib(size):
-    if size < 2**20:
-        return f"{size / 1024:.1f} KiB"
-    return f"{size / 2**30:.2f} GiB" if size >= 2**26 else f"{size / 2**20:.1f} MiB"
 
 
 def _relative_files(directory):
@@ -151,6 +146,23 @@ def _saved_into(directory):
     return None
 
 
+def _instead(directory, target):
+    """What to load instead of ``directory``, a temporary folder of a save into ``target``, in words: the target itself where
+    recover() would put a whole checkpoint there (the one the save wrote, else the previous one), as load_state
+    does before it loads; else the newest whole checkpoint beside it."""
+    old, partial = _beside(target, OLD), _beside(target, PARTIAL)
+    if not os.path.lexists(target):
+        if os.path.isdir(partial) and _whole(partial):
+            return (f"load_state({target}) resumes the checkpoint that save wrote: its files are whole (checked "
+                    "against its manifest), and the load puts it in place first.")
+        if os.path.isdir(old):
+            return (f"load_state({target}) resumes the previous checkpoint there, which the load puts back in "
+                    "place first.")
+    whole = newest_whole_beside(directory)  # the folder it was saving into counts
+    return (f"The newest whole checkpoint beside it is {whole}." if whole
+            else "No whole checkpoint was found beside it.")
+
+
 def check_whole(directory):
     """Before load_state loads anything: raise CheckpointError unless ``directory`` is exactly what a save wrote.
     A checkpoint of an earlier release (manifest without a file list) or without a manifest passes here:
@@ -158,12 +170,10 @@ def check_whole(directory):
     then in place."""
     target = _saved_into(directory)
     if target is not None:
-        whole = newest_whole_beside(directory)  # the folder it was saving into counts
         raise CheckpointError(
             f"accel_ds_fix: refusing to load {directory}: it is the temporary folder of a save_state into {target} "
             "that did not finish (killed or interrupted), not a checkpoint. Nothing was loaded. "
-            + (f"The newest whole checkpoint beside it is {whole}." if whole
-               else "No whole checkpoint was found beside it.")
+            + _instead(directory, target)
         )
     if not os.path.isdir(directory):
         if leftovers(directory):
@@ -219,26 +229,38 @@ def _clear_partial(target):
         shutil.rmtree(partial)
 
 
-def _estimate(target):
-    """Bytes the save will need: the size of the checkpoint it replaces, else of the newest one beside it."""
-    if os.path.isdir(target):
-        return _size(target)
-    whole = newest_whole_beside(target)
-    content = manifest.read(whole) if whole else None
-    return sum(f["size"] for f in content["files"].values()) if content else None
+def _saved_bytes(directory):
+    """What the checkpoint in ``directory`` holds: its manifest's files (a script's own files kept there are moved,
+    not written again), else the whole folder."""
+    try:
+        content = manifest.read(directory)
+    except ValueError:
+        content = None
+    if content is not None and "files" in content:
+        return sum(f["size"] for f in content["files"].values())
+    return _size(directory)
 
 
-def _room_check(target):
-    """(free bytes, bytes the save needs or None) of the target's disk; CheckpointError where it cannot fit."""
-    needed = _estimate(target)
+def _room_check(target, size_estimate):
+    """(free bytes of the target's disk, bytes the save is expected to write or None): the checkpoint it replaces
+    at the target (an earlier save of the same run), else this run's weights and optimizer states
+    (``size_estimate()``, a lower bound). CheckpointError where the save surely cannot fit: the smaller of the two
+    exceeds the free space. Another checkpoint beside the target (another run's, of another size) says nothing
+    about this save."""
+    at_least = size_estimate() if size_estimate is not None else None
+    previous = _saved_bytes(target) if os.path.isdir(target) else None
     free = shutil.disk_usage(os.path.dirname(os.path.abspath(target))).free
+    known = [(size, why) for size, why in ((at_least, "this run's weights and optimizer states"),
+                                           (previous, "the size of the checkpoint there")) if size is not None]
+    needed, sized_by = min(known, key=lambda size: size[0]) if known else (None, None)
     if needed is not None and needed > free:
+        stays = (" The previous checkpoint stays until the new one is whole, so both must fit; nothing was written."
+                 if previous is not None else " Nothing was written.")
         raise CheckpointError(
-            f"accel_ds_fix: save_state({target}) needs about {_gib(needed)} (the size of the checkpoint there) "
-            f"and the disk has {_gib(free)} free. The previous checkpoint stays until the new one is whole, so "
-            "both must fit; nothing was written. Free some space or save elsewhere."
+            f"accel_ds_fix: save_state({target}) needs about {_gib(needed)} ({sized_by}) and the disk has "
+            f"{_gib(free)} free.{stays} Free some space or save elsewhere."
         )
-    return free, needed
+    return free, previous if previous is not None else at_least
 
 
 def _kept(target, partial):
@@ -299,8 +321,8 @@ def _disk_full(exc):
 def save(accelerator, target, save_into, write_manifest, size_estimate=None):
     """Run ``save_into(folder)`` (accelerate's save_state, on every process) into a temporary folder beside
     ``target``, then ``write_manifest(folder, files, kept)`` on the main process, and move it into place once.
-    ``size_estimate()``: the bytes a save of these models writes, for a full disk's message when no earlier
-    checkpoint tells."""
+    ``size_estimate()``: at least the bytes a save of these models writes, for the room check ahead and a full
+    disk's message where no earlier checkpoint at the target tells."""
     partial = _beside(target, PARTIAL)
     main = accelerator.is_main_process
     free, needed, placed = None, None, False
@@ -308,7 +330,7 @@ def save(accelerator, target, save_into, write_manifest, size_estimate=None):
         os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)  # as accelerate's save_state does
         recover(target)
         _clear_partial(target)
-        free, needed = _room_check(target)
+        free, needed = _room_check(target, size_estimate)
     accelerator.wait_for_everyone()
     try:
         os.makedirs(partial, exist_ok=True)
@@ -341,12 +363,12 @@ def save(accelerator, target, save_into, write_manifest, size_estimate=None):
             raise
         free_now = shutil.disk_usage(os.path.dirname(os.path.abspath(target))).free
         written = _size(partial) if os.path.isdir(partial) else 0
-        needed = needed or (size_estimate() if size_estimate else None)  # sized once, before the save
         if not _ran_out_of_space(exc, free_now, written, needed):
             _discard(main, partial)
             raise
         _discard(main, partial)
-        need = f"about {_gib(needed)}" if needed else f"more than the {_gib(written)} it had written"
+        need = (f"about {_gib(needed)}" if needed and needed > written
+                else f"more than the {_gib(written)} it had written")
         had = f"{_gib(free)} free when it started" if free is not None else "too little free"
         raise CheckpointError(
             f"accel_ds_fix: save_state({target}) ran out of disk space (the disk is full) after writing "

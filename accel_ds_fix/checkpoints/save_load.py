@@ -23,8 +23,8 @@ from ..memory import heap
 from ..merge import trainability
 from ..merge.proxy import unwrap
 from ..patches.zero3_loading import models_built_whole
-from . import (crash_safe, deferred_save, every_process, layout_change, load_hooks, load_memory, manifest,
-               nvme_resume, param_groups, read_alone)
+from . import (cpu_adam_steps, crash_safe, deferred_save, every_process, layout_change, load_hooks, load_memory,
+               manifest, nvme_resume, param_groups, read_alone)
 from .engine_views import merged_view
 
 
@@ -144,7 +144,8 @@ def save_state(wrapped, instance, args, kwargs):
         merged = merged_view(engines, lambda e: _checkpoint_tag(instance, e))
         manifest.write(folder, merged, files, kept, layout_change.of_engine(engines[0]))
 
-    location = crash_safe.save(instance, target, save_into, write_manifest, lambda: _checkpoint_bytes(engines))
+    location = crash_safe.save(instance, target, save_into, write_manifest,
+                              lambda: _checkpoint_bytes(engines, rest.get("exclude_frozen_parameters", False)))
     return type(location)(target) if isinstance(location, (str, os.PathLike)) else location
 
 
@@ -237,19 +238,31 @@ def load_state(wrapped, instance, args, kwargs):
     if not converted:  # a universal copy holds every sub group's states: nothing skipped to restore
         for engine, tag in zip(engines, tags):
             nvme_resume.restore(engine, directory, tag)
+    for engine in engines:
+        cpu_adam_steps.replay_steps(engine)
     heap.return_freed_memory()  # what the load freed, so that the resumed run holds no more than a fresh one
     return result
 
 
-def _checkpoint_bytes(engines):
-    """About what a save of these engines writes: each weight in its dtype (the model states; under ZeRO-3 the
-    partitions in the optimizer file) and 12 bytes a trained parameter (fp32 master weight and Adam's two
-    states)."""
+def _checkpoint_bytes(engines, exclude_frozen=False):
+    """At least what a save of these engines writes, so that a save refused for room surely would not have fit
+    (crash_safe): the model states file's weights in their dtype (under ZeRO-3 the frozen ones only: its trained
+    weights are saved as their fp32 partitions), the fp32 master weights of what trains (the weights themselves in
+    an fp32 training without ZeRO), and the optimizer's states as this process holds them, once for each process
+    that holds a partition of them."""
     total = 0
     for engine in engines:
+        stage = engine.zero_optimization_stage()
         for p in engine.module.parameters():
             numel = getattr(p, "ds_numel", p.numel())
-            total += numel * p.element_size() + (12 * numel if p.requires_grad else 0)
+            if not p.requires_grad:
+                total += 0 if exclude_frozen else numel * p.element_size()
+                continue
+            total += numel * p.element_size() if stage < 3 else 0
+            total += 4 * numel if stage or p.element_size() < 4 else 0
+        base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        states = sum(t.nbytes for state in base.state.values() for t in state.values() if hasattr(t, "nbytes"))
+        total += states * (engine.dp_world_size if stage else 1)
     return total
 
 

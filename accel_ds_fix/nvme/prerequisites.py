@@ -9,6 +9,7 @@ import os
 
 from ..memory import model as memory_model
 from ..ops import builds, libaio
+from ..units import size_in_words
 from . import swap_folder
 
 GIB = 1024**3
@@ -159,11 +160,11 @@ def room_problems(config, swap_bytes, checkpoint_bytes, world_size=1):
             continue
         free = free_bytes(folder) + sum(swap_folder.stale(folder, set(range(world_size))).values())
         if free < swap_bytes:
-            errors.append(f"disk: the NVMe offload folder {folder} needs {swap_bytes / GIB:.1f} GiB, its disk has "
-                          f"{free / GIB:.1f} GiB free")
+            errors.append(f"disk: the NVMe offload folder {folder} needs {size_in_words(swap_bytes)}, its disk has "
+                          f"{size_in_words(free)} free")
         elif free < swap_bytes + checkpoint_bytes:
             warnings.append(
-                f"the disk of {folder} has {free / GIB:.1f} GiB free: the swap files take {swap_bytes / GIB:.1f} GiB "
-                f"and each save_state writes about {checkpoint_bytes / GIB:.1f} GiB (the fp32 master weights and Adam "
+                f"the disk of {folder} has {size_in_words(free)} free: the swap files take {size_in_words(swap_bytes)} "
+                f"and each save_state writes about {size_in_words(checkpoint_bytes)} (the fp32 master weights and Adam "
                 "states), so a checkpoint on this disk will not fit: save it to another disk, or free space first")
     return errors, warnings
