@@ -14,51 +14,51 @@ import wrapt
 # or a tuple of them, innermost first}
 PATCHES = {
     "accelerate.accelerator": {
-        "Accelerator.__init__": "patches.zero3_held_moves.arm_at_init",
+        "Accelerator.__init__": "zero3.held_moves.arm_at_init",
         "Accelerator.prepare": "merge.prepare.prepare",
-        "Accelerator.backward": ("merge.trainability.backward", "checkpoints.deferred_save.after_backward"),
+        "Accelerator.backward": ("merge.trainability.backward", "processes.deferred_save.after_backward"),
         "Accelerator.accumulate": "merge.backward_routing.accumulate",
-        "Accelerator.clip_grad_norm_": "patches.clipping.clip_grad_norm_",
-        "Accelerator.unwrap_model": "checkpoints.exports.unwrap_model",
-        "Accelerator.get_state_dict": "checkpoints.exports.get_state_dict",
+        "Accelerator.clip_grad_norm_": "merge.clipping.clip_grad_norm_",
+        "Accelerator.unwrap_model": "merge.exports.unwrap_model",
+        "Accelerator.get_state_dict": "merge.exports.get_state_dict",
         "Accelerator.save_state": "checkpoints.save_load.save_state",
         "Accelerator.load_state": "checkpoints.save_load.load_state",
-        "Accelerator.end_training": ("patches.end_training.end_training", "checkpoints.deferred_save.before_end"),
-        "Accelerator.wait_for_everyone": ("checkpoints.read_alone.snapshot_at_barrier",
-                                          "checkpoints.deferred_save.before_barrier"),
+        "Accelerator.end_training": ("processes.end_training.end_training", "processes.deferred_save.before_end"),
+        "Accelerator.wait_for_everyone": ("weights.read_alone.snapshot_at_barrier",
+                                          "processes.deferred_save.before_barrier"),
     },
     # optimizer offload: no import of bitsandbytes only to learn that the optimizer is not one of its classes
     "accelerate.utils.deepspeed": {
-        "is_bnb_available": "patches.bnb_probe.only_if_imported",
+        "is_bnb_available": "launch.bnb_probe.only_if_imported",
     },
     # `accelerate launch` (the launcher process): a relative deepspeed_config_file of a YAML config
     "accelerate.commands.launch": {
-        "_validate_launch_command": "patches.launch_config.resolve_config_file_paths",
+        "_validate_launch_command": "launch.launch_config.resolve_config_file_paths",
     },
     # every process that builds a DeepSpeedPlugin: a config file that is not there
     "accelerate.utils.dataclasses": {
-        "DeepSpeedPlugin.__post_init__": "patches.launch_config.check_config_file",
+        "DeepSpeedPlugin.__post_init__": "launch.launch_config.check_config_file",
     },
     # ZeRO-3: transformers < 4.51 refuses low_cpu_mem_usage=True, which diffusers' loaders pass; a model loaded
     # partitioned and used without prepare() (Flux's frozen T5) is made whole
     "transformers.modeling_utils": {
-        "PreTrainedModel.from_pretrained": ("patches.zero3_loading.drop_low_cpu_mem_usage",
-                                            "patches.zero3_unprepared.watch_loaded"),
+        "PreTrainedModel.from_pretrained": ("zero3.loading.drop_low_cpu_mem_usage",
+                                            "zero3.unprepared.watch_loaded"),
     },
     # ZeRO-3: a diffusers/transformers model's .to(card) before prepare() is held, to be partitioned from host memory
     "torch.nn.modules.module": {
-        "Module.to": "patches.zero3_held_moves.hold_back",
+        "Module.to": "zero3.held_moves.hold_back",
     },
     # DeepSpeed's CPU ops ask py-cpuinfo three times a launch, each a subprocess: once is enough
     "cpuinfo": {
-        "get_cpu_info": "patches.cpu_info_once.once",
+        "get_cpu_info": "launch.cpu_info_once.once",
     },
     # CPU: the shared-memory segment each process makes in /dev/shm, unlinked once every rank has opened it
     "deepspeed.comm.torch": {
-        "TorchBackend.__init__": "patches.shm_segments.unlink_after_init",
+        "TorchBackend.__init__": "processes.shm_segments.unlink_after_init",
     },
     "deepspeed.runtime.zero.stage_1_and_2": {
-        "DeepSpeedZeroOptimizer._update_model_bit16_weights": "patches.gpu_block_release.release_after_flatten",
+        "DeepSpeedZeroOptimizer._update_model_bit16_weights": "merge.gpu_block_release.release_after_flatten",
     },
     # ZeRO-3 NVMe optimizer offload: the step's gradients from host memory, not a write and read on the disk
     "deepspeed.runtime.zero.stage3": {

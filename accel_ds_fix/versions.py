@@ -19,7 +19,7 @@ PIPELINED_SWAP_RELEASE = ("0.19.8", "0.19.8")
 # DeepSpeed releases whose ZeRO-3 sub group swapping nvme/sub_groups_in_ram.py was written against and tested with.
 NVME_SUB_GROUPS_IN_RAM = ("0.19.8", "0.19.8")
 
-# DeepSpeed releases whose CPU shm op patches/shm_segments.py was checked against: the segment name
+# DeepSpeed releases whose CPU shm op processes/shm_segments.py was checked against: the segment name
 # (shm.cpp), the LOCAL_SIZE condition (shm_interface.cpp) and TorchBackend.__init__ are the same in 0.14.4 and
 # 0.19.8 (installed) and in every tag from 0.14.2 to 0.19.5; before 0.14.2 TorchBackend made no segment.
 DEEPSPEED_SHM_SEGMENT_NAMES = ("0.14.4", "0.19.8")

@@ -1,6 +1,6 @@
 """A Flux.1-shaped full fine-tune with its CLIP-L text encoder, with fewer blocks than Flux's 19 double + 38 single,
 on one GPU capped at --cap-gib, each variant in its own process, to check the memory model on today's shapes where
-the whole model does not fit the lent machine's disk and time (issue 30).
+the whole model does not fit a 64 GB disk and a 10-minute run (issue 30).
 
 The transformer is diffusers' FluxTransformer2DModel with Flux.1-dev's widths (24 heads of 128, joint attention
 from T5-XXL's 4096, pooled CLIP 768, guidance embedding), random weights; CLIP-L is transformers' CLIPTextModel with

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Long GPU work on the lent machine across several device calls: each call may run 10 minutes, the machine stays
+# Long GPU work on a GPU machine across several runs: each call may run 10 minutes, the machine stays
 # while calls follow one another, and a detached job outlives the call that started it.
 #   bash bench/gpu_detached.sh start 'COMMANDS'   # runs COMMANDS detached (setsid), then waits like `wait`
 #   bash bench/gpu_detached.sh wait               # waits until the job is done or WAIT_S (560 s) passed

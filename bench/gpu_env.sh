@@ -1,4 +1,4 @@
-# Source on the lent H200 (no network) in the checkout, with the wheels in .whl/ and libaio (below) carried
+# Source on the GPU machine (no network) in the checkout, with the wheels in .whl/ and libaio (below) carried
 # along (docs/gpu.md lists them): installs DeepSpeed 0.19.8, accelerate 1.16.0, diffusers and this package into the machine's Python, and points DeepSpeed's op builds at libaio (the
 # async_io op of the NVMe tier). Sets NV to a folder on a disk (not a tmpfs) for NVMe offload.
 export PYTHONUNBUFFERED=1 USE_FLAX=0 TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/tmp/ext

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# docs/gpu.md run 8, on the lent H200 (carry .whl and .cache/libaio): the NVMe tier's prerequisites as the fix
+# docs/gpu.md run 8, on an H200 host (carry .whl and .cache/libaio): the NVMe tier's prerequisites as the fix
 # sees them there, the disk's direct-I/O speed (dd and the plan's own measurement), the plan's predicted step, and
 # the NVMe tier's SD1.5 step with the gradients in host memory against DeepSpeed's own swap, interleaved.
 #   bash bench/nvme_gpu_run.sh 1    # ops, report, disk, plan, one round (host, disk)

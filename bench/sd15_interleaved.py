@@ -59,7 +59,7 @@ def main():
     import torch
 
     import accel_ds_fix  # noqa: F401
-    from accel_ds_fix.patches import cpu_threads
+    from accel_ds_fix.launch import cpu_threads
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
     from sd15_6gb import build_models, hand_merged

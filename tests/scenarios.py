@@ -831,6 +831,53 @@ def hooks_and_helpers(reference):
     return seen
 
 
+
+@scenario
+def one_model_auto_buckets(reference):
+    # accelerate's own test_autofill_comm_buffers_dsconfig, replayed on the CPU (bf16): one model under a ZeRO-3
+    # config whose bucket sizes are "auto". accelerate fills them from model.config, and says so where it cannot;
+    # the fix used to partition the model first, and DeepSpeed's error came instead (issue 41, item 7).
+    if reference:
+        accel_ds_fix.uninstall()
+
+    class Config:  # a model.config without a hidden size
+        pass
+
+    class Regression(torch.nn.Module):  # accelerate's RegressionModel: two scalar (0-dim) parameters
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Parameter(torch.tensor(2.0)), torch.nn.Parameter(torch.tensor(3.0))
+
+        def forward(self, x):
+            return x * self.a + self.b
+
+    outcomes = {}
+    for kind in ("no config", "config without hidden size", "config with hidden size"):
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                        "stage3_prefetch_bucket_size": "auto",
+                                        "stage3_param_persistence_threshold": "auto"}}
+        acc = accelerator(config=config, mixed_precision="bf16")
+        model = TinyUNet() if kind == "config with hidden size" else Regression()  # DeepSpeed partitions no 0-dim bf16
+        if kind != "no config":
+            model.config = Config()
+        if kind == "config with hidden size":
+            model.config.hidden_size = WIDTH
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        try:
+            engine, opt = acc.prepare(model, opt)
+        except ValueError as exc:
+            outcomes[kind] = f"ValueError: {exc}"
+        else:
+            zero = acc.deepspeed_config["zero_optimization"]
+            outcomes[kind] = {"reduce_bucket_size": zero["reduce_bucket_size"],
+                              "partitioned": all(hasattr(p, "ds_id") for p in engine.module.parameters())}
+        acc.free_memory()
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(True)
+    return outcomes
+
 if __name__ == "__main__":
     name, reference = sys.argv[1], "--reference" in sys.argv
     result = SCENARIOS[name](reference)

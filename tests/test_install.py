@@ -52,7 +52,7 @@ def test_install_and_uninstall_are_idempotent_and_reversible():
 
 
 def test_deepspeed_zero_hook_follows_install_and_uninstall():
-    # ZeRO-1/2's flattening step is wrapped too (patches/gpu_block_release.py), whichever of the two is imported first.
+    # ZeRO-1/2's flattening step is wrapped too (merge/gpu_block_release.py), whichever of the two is imported first.
     out = python("""
         import accel_ds_fix, wrapt
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Z

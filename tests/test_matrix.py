@@ -120,11 +120,11 @@ try:
 except ValueError as e:
     result["without_fix"] = str(e)
 import accel_ds_fix
-from accel_ds_fix.patches import old_accelerate
+from accel_ds_fix.launch import old_accelerate
 config = DeepSpeedPlugin(hf_ds_config="configs/ds_zero2_offload.json").deepspeed_config
 old_accelerate.fill_precision(config, "fp16")
 model = torch.nn.Linear(2, 2)
-swapped = old_accelerate.with_cpu_adam((model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)))
+swapped = old_accelerate.with_cpu_adam((model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)), config)
 result.update(accumulation=config["gradient_accumulation_steps"], fp16=config["fp16"]["enabled"],
               bf16=config["bf16"]["enabled"], model_kept=swapped[0] is model, optimizer=type(swapped[1]).__name__,
               params_kept=[id(p) for p in swapped[1].param_groups[0]["params"]] == [id(p) for p in model.parameters()],

@@ -183,12 +183,45 @@ def test_load_hook_failing_in_its_deepspeed_branch_is_explained_and_can_be_skipp
     stderr = refused(scenario, "load_hook_with_deepspeed_branch")
     assert "object has no attribute 'peft_config'" in stderr
     assert "accel_ds_fix: this error is in the script's load_state pre-hook load_model_hook" in stderr
-    assert "diffusers' train_dreambooth_lora_sd3.py rebuilds its models there from the base model" in stderr
+    assert "scenarios.py's hook builds models there that have no LoRA adapters ('no attribute peft_config')" in stderr
+    assert "train_dreambooth_lora_sd3" not in stderr  # the script that failed is named, not another
     assert "ACCEL_DS_FIX_LOAD_HOOKS=skip" in stderr
     proc = run([sys.executable, SCENARIOS, "load_hook_with_deepspeed_branch"],
                env=clean_env(ACCEL_DS_FIX_LOAD_HOOKS="skip"), warm=True)
     assert result(proc) == {"restored": True}  # DeepSpeed's checkpoint brought every weight back
     assert "1 load hook(s) of the script not run (ACCEL_DS_FIX_LOAD_HOOKS=skip)" in proc.stderr
+
+
+def test_one_model_meets_accelerates_own_checks_and_errors_first(scenario):
+    """accelerate's test_autofill_comm_buffers_dsconfig: with one model, accelerate's ValueError for "auto" bucket
+    sizes without a model.config hidden size comes word for word, not DeepSpeed's from the fix's partitioning; with
+    a hidden size accelerate fills them and the model is partitioned as before."""
+    fixed = result(scenario("one_model_auto_buckets"))
+    assert fixed == result(scenario("one_model_auto_buckets", "--reference"))
+    assert fixed["no config"].startswith("ValueError: Can't find `model.config` entry")
+    assert fixed["config without hidden size"].startswith(
+        "ValueError: Can find neither `model.config.hidden_size` nor `model.config.hidden_sizes`")
+    assert fixed["config with hidden size"] == {"reduce_bucket_size": 16 * 16, "partitioned": True}  # WIDTH 16
+
+
+@pytest.mark.quick
+def test_a_hook_error_that_names_the_proxys_type_names_the_model_behind_it():
+    # diffusers' full Flux fine-tune's save hook raises "Wrong model supplied: type(model)=<class ...ModelProxy>"
+    # where plain accelerate names CLIPTextModel (issue 41, item 4)
+    import torch
+    from accel_ds_fix.merge.proxy import ModelProxy, name_the_models
+
+    proxy = ModelProxy(torch.nn.Linear(2, 2), None, "linear")
+    error = ValueError(f"Wrong model supplied: {type(proxy)=}.")
+    name_the_models(error, [proxy])
+    assert error.__notes__ == [
+        "accel_ds_fix: ModelProxy in this error is the fix's stand-in for a merged model; the hook was given Linear "
+        "(models.linear). Without DeepSpeed the error would name the model's own class: the script checks "
+        "type(model), which is the stand-in's, where isinstance(model, TheClass) holds for it, or "
+        "accelerator.unwrap_model(model) gives the model itself."]
+    other = ValueError("Wrong model supplied: Linear")
+    name_the_models(other, [proxy])
+    assert not getattr(other, "__notes__", None)
 
 
 @pytest.mark.quick
@@ -208,7 +241,7 @@ def test_a_load_hook_error_of_another_kind_is_not_put_down_to_the_deepspeed_bran
 
 
 def test_few_cpu_threads_under_offload_are_said(scenario):
-    from accel_ds_fix.patches.cpu_threads import cores_per_process
+    from accel_ds_fix.launch.cpu_threads import cores_per_process
 
     if cores_per_process() < 2:
         pytest.skip("one core: nothing more to use")

@@ -129,7 +129,7 @@ def test_plan_grid_recommends_per_card_and_ram_and_says_what_no_tier_can_fix(flu
 def test_the_base_a_lora_script_moves_to_the_card_before_prepare_bounds_zero2_not_zero3():
     # Flux.1-dev's 11.9B transformer + CLIP-L as diffusers' LoRA script holds them: 22.4 GiB on the card before
     # prepare() under ZeRO-2 (and T5's 8.9 GiB beside them); under ZeRO-3 the fix holds that move back and
-    # partitions from host memory one weight at a time (patches/zero3_held_moves.py)
+    # partitions from host memory one weight at a time (zero3/held_moves.py)
     moved, t5 = int(12.02e9) * 2, int(4.76e9) * 2
     work = memory_model.Workload(params=int(12.07e9), trainable=int(46e6), largest_trainable=3072 * 16,
                                  largest_weight=3072 * 12288, weight_bytes=2, frozen_on_gpu=t5,

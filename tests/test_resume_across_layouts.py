@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from accel_ds_fix.checkpoints import conversion_memory
+from accel_ds_fix.checkpoints.layout import conversion_memory
 from accel_ds_fix.errors import CheckpointError
 from accel_ds_fix.memory import tiers
 from conftest import EXAMPLE, clean_env, nvme_unavailable, run

@@ -1,8 +1,9 @@
 """Checkpoints of merged engines: save_state / load_state (save_load), their crash safety (crash_safe), the
-manifest written beside DeepSpeed's files, what ZeRO-3 + NVMe resume needs, resuming under another DeepSpeed
-layout (layout_change, and universal_copy: DeepSpeed's universal checkpoint format written beside a checkpoint,
-conversion_memory: whether the host has the memory to write it), and per-model weight exports.
+manifest written beside DeepSpeed's files, the load hooks run with the models (load_hooks), what a load needs in
+host memory (load_memory), what ZeRO-3 + NVMe resume needs (nvme_resume), the optimizer's parameter groups and CPU
+Adam's step kept across a load (param_groups, cpu_adam_steps), and resuming under another DeepSpeed layout
+(layout/).
 
-May use the top-level modules, merge (the proxy, which parameters DeepSpeed trains) and memory.check (the host
-memory available, ACCEL_DS_FIX_MEMORY_CHECK).
+May use: the ground, processes, weights, nvme, memory (the host memory available), zero3, merge (the proxy, which
+parameters DeepSpeed trains).
 """

@@ -11,8 +11,10 @@ after the save; about 1 GB/s a core): a size check alone would not see a file re
 """
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -163,11 +165,22 @@ def _instead(directory, target):
             else "No whole checkpoint was found beside it.")
 
 
+@dataclasses.dataclass(frozen=True)
+class Verified:
+    """What check_whole verified, for the loaders to take instead of reading the manifest again: the folder, its
+    manifest's content (None: a folder without one) and the sha256 of the manifest as written, which names the
+    checkpoint's content (it lists every file's sha256)."""
+
+    path: str
+    content: object
+    digest: object
+
+
 def check_whole(directory):
-    """Before load_state loads anything: raise CheckpointError unless ``directory`` is exactly what a save wrote.
-    A checkpoint of an earlier release (manifest without a file list) or without a manifest passes here:
-    manifest.check says what it holds. Run recover(directory) first: what a save cut off in its folder swap is
-    then in place."""
+    """Before load_state loads anything: raise CheckpointError unless ``directory`` is exactly what a save wrote;
+    return what was verified (None where the folder does not exist: accelerate's own load says so). A checkpoint
+    of an earlier release (manifest without a file list) or without a manifest passes here: manifest.check says
+    what it holds. Run recover(directory) first: what a save cut off in its folder swap is then in place."""
     target = _saved_into(directory)
     if target is not None:
         raise CheckpointError(
@@ -179,18 +192,18 @@ def check_whole(directory):
         if leftovers(directory):
             raise _refusal(directory, "the folder does not exist, and what a save_state into it left holds no "
                                       "whole checkpoint")
-        return
+        return None
+    raw = manifest.read_bytes(directory)
     try:
-        content = manifest.read(directory)
+        content = None if raw is None else json.loads(raw)
     except ValueError:
         raise _refusal(directory, f"its {manifest.FILENAME} is not readable JSON (a save was cut off)") from None
-    if content is None or "files" not in content:
-        return
-    found = problems(directory, content)
+    found = problems(directory, content) if content is not None and "files" in content else []
     if found:
         shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
         raise _refusal(directory, f"it is not the checkpoint save_state wrote there (partial, mixed or altered): "
                                   f"{shown}")
+    return Verified(directory, content, None if raw is None else hashlib.sha256(raw).hexdigest())
 
 
 def recover(target):

@@ -15,6 +15,7 @@ import logging
 import os
 
 from .. import notices
+from ..merge.proxy import name_the_models
 
 SKIP_VARIABLE = "ACCEL_DS_FIX_LOAD_HOOKS"
 
@@ -30,6 +31,7 @@ def run(hooks, models, directory):
         try:
             hook(models, directory)
         except Exception as error:
+            name_the_models(error, models)
             _explain(error, hook)
             raise
 
@@ -37,6 +39,7 @@ def run(hooks, models, directory):
 def _explain(error, hook):
     code = getattr(hook, "__code__", None)
     where = f" ({code.co_filename}:{code.co_firstlineno})" if code else ""
+    script = os.path.basename(code.co_filename) if code else "the script"
     note = (
         f"accel_ds_fix: this error is in the script's load_state pre-hook {getattr(hook, '__name__', hook)}{where}. "
         "With merged models the hook gets the models themselves, as without DeepSpeed, and DeepSpeed's checkpoint "
@@ -44,10 +47,12 @@ def _explain(error, hook):
     )
     if "peft_config" in str(error):  # the hook's DeepSpeed branch rebuilt models without their adapters
         note += (
-            "A hook that branches on `accelerator.distributed_type == DistributedType.DEEPSPEED` still takes its "
-            "DeepSpeed branch: diffusers' train_dreambooth_lora_sd3.py rebuilds its models there from the base "
-            "model, the text encoders without their LoRA adapters ('no attribute peft_config'), to load the LoRA "
-            "weights into copies it then drops. ")
+            f"A hook that branches on `accelerator.distributed_type == DistributedType.DEEPSPEED` still takes its "
+            f"DeepSpeed branch: {script}'s hook builds models there that have no LoRA adapters ('no attribute "
+            "peft_config'). ")
+        if script.startswith("train_dreambooth_lora_sd3"):
+            note += ("diffusers' train_dreambooth_lora_sd3.py (v0.40) rebuilds its text encoders there from the base "
+                     "model, to load the LoRA weights into copies it then drops. ")
     else:  # the hook's own failure, which may happen without DeepSpeed too (train_dreambooth_sd3.py's does)
         note += "If the same resume fails without DeepSpeed, the hook itself is at fault. "
     note += (f"If the hook only loads model weights, set {SKIP_VARIABLE}=skip to resume without it; a hook that "

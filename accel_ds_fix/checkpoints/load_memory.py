@@ -12,7 +12,7 @@ import os
 
 from ..errors import CheckpointError
 from ..memory import check as memory_check
-from . import layout_change
+from .layout import change as layout_change
 
 GIB = 2**30
 

@@ -10,7 +10,7 @@ from ..merge.trainability import frozen_names
 
 FILENAME = "accel_ds_fix.json"
 # 2 added "frozen": the parameters DeepSpeed stored as frozen; 3 "files" (checkpoints/crash_safe.py) and "kept";
-# 4 "layout": the DeepSpeed layout it was saved under (checkpoints/layout_change.py)
+# 4 "layout": the DeepSpeed layout it was saved under (checkpoints/layout/change.py)
 FORMAT = 4
 
 
@@ -32,7 +32,7 @@ def describe(merged):
 def write(directory, merged, files, kept=(), layout=None):
     """Written last by a save: ``files`` {relative path: {"size", "sha256"}} is every file of the checkpoint;
     ``kept`` the top-level entries of the script's own that the save found in the folder and left there;
-    ``layout`` the DeepSpeed layout it was saved under (checkpoints/layout_change.py)."""
+    ``layout`` the DeepSpeed layout it was saved under (checkpoints/layout/change.py)."""
     content = {"format": FORMAT, "models": describe(merged), "frozen": frozen_names(merged), "files": files,
                "kept": list(kept)}
     if hasattr(merged, "engines"):  # one engine per optimizer: which DeepSpeed checkpoint holds which models
@@ -47,30 +47,35 @@ def write(directory, merged, files, kept=(), layout=None):
 
 def read(directory):
     """The manifest's content, None where there is none; ValueError where it is not whole JSON."""
+    raw = read_bytes(directory)
+    return None if raw is None else json.loads(raw)
+
+
+def read_bytes(directory):
+    """The manifest file as written, None where there is none."""
     path = os.path.join(directory, FILENAME)
     if not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _summary(models):
     return ", ".join(f"{name} ({info['class']})" for name, info in models.items()) or "none"
 
 
-def check(directory, merged):
-    """Raise MergeError unless ``directory`` was saved from a merged engine of the same models; else return
-    what the manifest says (``frozen`` is None for a checkpoint of format 1)."""
-    path = os.path.join(directory, FILENAME)
+def check(verified, merged):
+    """Raise MergeError unless the checkpoint that crash_safe.check_whole ``verified`` was saved from a merged
+    engine of the same models; else return what the manifest says (``frozen`` is None for a checkpoint of format
+    1)."""
+    directory, content = verified.path, verified.content
     current = describe(merged)
-    if not os.path.exists(path):
+    if content is None:
         raise MergeError(
             f"accel_ds_fix: {directory} has no {FILENAME}, so it was not saved by accelerator.save_state() from "
             f"models merged by accel_ds_fix. This run merged {_summary(current)}; resume from a checkpoint this "
             "run's script saved with accel_ds_fix active, or start from exported weights."
         )
-    with open(path, encoding="utf-8") as f:
-        content = json.load(f)
     saved = content["models"]
     problems = []
     missing, extra = sorted(set(saved) - set(current)), sorted(set(current) - set(saved))

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from . import universal_copy
+from .layout import universal_copy
 
 
 def _checkpoint_file(engine, directory, tag):

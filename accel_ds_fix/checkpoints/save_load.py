@@ -17,15 +17,17 @@ import os
 import re
 import shutil
 
-from ..gather import copied_by_hook, shards
-from ..lookup import merged_engines
+from ..lookup import engine_record, merged_engines
 from ..memory import heap
 from ..merge import trainability
-from ..merge.proxy import unwrap
-from ..patches.zero3_loading import models_built_whole
-from . import (cpu_adam_steps, crash_safe, deferred_save, every_process, layout_change, load_hooks, load_memory,
-               manifest, nvme_resume, param_groups, read_alone)
+from ..merge.proxy import name_the_models, unwrap
+from ..processes import deferred_save, every_process
+from ..weights import read_alone
+from ..weights.partitioned import copied_by_hook, shards
+from ..zero3.loading import models_built_whole
+from . import cpu_adam_steps, crash_safe, load_hooks, load_memory, manifest, nvme_resume, param_groups
 from .engine_views import merged_view
+from .layout import change as layout_change
 
 
 class ModelWeights(collections.abc.Mapping):
@@ -61,7 +63,7 @@ class ModelWeights(collections.abc.Mapping):
 
 def _weights_entry(model):
     """What accelerate's weights list holds for a model without DeepSpeed: its state dict (tensor references,
-    no copies); where that means copying (gather.py), the same read only when used."""
+    no copies); where that means copying (weights/full_weights.py), the same read only when used."""
     if any(copied_by_hook(p) for p in model.parameters()):
         return ModelWeights(model)
     return model.state_dict()
@@ -71,7 +73,7 @@ def _each_model(engines, models):
     """accelerate's model list with each merged engine replaced by its models' proxies, in argument order."""
     split = []
     for model in models:
-        split.extend(model._accel_ds_fix_proxies.values() if any(model is e for e in engines) else [model])
+        split.extend(engine_record(model).proxies.values() if any(model is e for e in engines) else [model])
     return split
 
 
@@ -122,7 +124,11 @@ def save_state(wrapped, instance, args, kwargs):
             # One entry per model, as without DeepSpeed. What the hook leaves in it is not written again:
             # DeepSpeed's checkpoint already holds every weight (accelerate's own `weights` stays empty).
             with _gathered_for_hook(instance, engines), models_built_whole():
-                hook(each, [_weights_entry(unwrap(m)) for m in each], output_dir)
+                try:
+                    hook(each, [_weights_entry(unwrap(m)) for m in each], output_dir)
+                except Exception as error:
+                    name_the_models(error, each)
+                    raise
 
         return save_hook
 
@@ -144,8 +150,9 @@ def save_state(wrapped, instance, args, kwargs):
         merged = merged_view(engines, lambda e: _checkpoint_tag(instance, e))
         manifest.write(folder, merged, files, kept, layout_change.of_engine(engines[0]))
 
+    exclude_frozen = rest.get("exclude_frozen_parameters", False)
     location = crash_safe.save(instance, target, save_into, write_manifest,
-                              lambda: _checkpoint_bytes(engines, rest.get("exclude_frozen_parameters", False)))
+                               lambda: _checkpoint_bytes(engines, exclude_frozen))
     return type(location)(target) if isinstance(location, (str, os.PathLike)) else location
 
 
@@ -207,11 +214,11 @@ def load_state(wrapped, instance, args, kwargs):
         if instance.is_main_process:
             crash_safe.recover(directory)  # a save cut off in its folder swap: the whole checkpoint it left
         instance.wait_for_everyone()
-        crash_safe.check_whole(directory)  # a partial, mixed or altered folder: refused before anything loads
-    if directory is None or not os.path.isdir(directory):
+        verified = crash_safe.check_whole(directory)  # a partial, mixed or altered folder: refused before loading
+    if directory is None or verified is None:
         return wrapped(*args, **kwargs)  # accelerate's own handling, and its own error for a missing folder
     merged = merged_view(engines, lambda e: _checkpoint_tag(instance, e))
-    saved = manifest.check(directory, merged)
+    saved = manifest.check(verified, merged)
     tags = [_checkpoint_tag(instance, engine) for engine in engines]
     saved_layout = layout_change.of_checkpoint(directory, tags[0], saved["layout"])
     # refusals before the hooks: what cannot be converted, and (for now) any conversion of several engines
@@ -225,11 +232,11 @@ def load_state(wrapped, instance, args, kwargs):
         trainability.warn_if_changed(engine)
     hooks = list(getattr(instance, "_load_model_state_pre_hook", {}).values())
     if hooks:
-        models = [proxy for engine in engines for proxy in engine._accel_ds_fix_proxies.values()]
+        models = [proxy for engine in engines for proxy in engine_record(engine).proxies.values()]
         with models_built_whole():
             load_hooks.run(hooks, models, directory)
     # several engines reach here only in the layout that saved them (refused above otherwise): nothing converted
-    with layout_change.resumed(instance, engines[0], directory, tags[0], saved_layout) as converted:
+    with layout_change.resumed(instance, engines[0], verified, tags[0], saved_layout) as converted:
         with _hooks_replaced(instance, "_load_model_state_pre_hook", lambda hook: _already_called):
             with trainability.as_saved(merged, saved["frozen"]), param_groups.kept_across_load(engines):
                 # the folder checked, also where accelerate would pick it (automatic naming: the highest number)

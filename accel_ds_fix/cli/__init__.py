@@ -2,5 +2,5 @@
 convert-checkpoint): argument parsing and
 printing only; every answer comes from the library.
 
-May use every part.
+May use: every part.
 """

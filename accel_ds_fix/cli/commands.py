@@ -12,11 +12,8 @@ import re
 import sys
 import tempfile
 
-from ..memory import advice
-from ..memory import model as memory_model
-from ..memory import tiers
-from ..nvme import disk_speed
-from ..nvme import prerequisites as nvme_prerequisites
+from ..memory import advice, model as memory_model, tiers
+from ..nvme import disk_speed, prerequisites as nvme_prerequisites
 from ..ops import builds, libaio
 from . import report
 
@@ -380,7 +377,7 @@ def _get_libaio(folder):
 
 
 def _convert_checkpoint(folder, tag):
-    from ..checkpoints import layout_change
+    from ..checkpoints.layout import change as layout_change
     from ..errors import CheckpointError
 
     try:

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 from .. import __version__, pth_file, versions
+from ..launch import cpu_threads
 from ..ops import builds
-from ..patches import cpu_threads
 
 # What a fresh interpreter with this environment says once it has imported accelerate.
 _PROBE = "import accelerate, sys; m = sys.modules.get('accel_ds_fix'); print(bool(m and m.is_installed()))"

@@ -12,13 +12,12 @@ import os
 
 import torch
 
-from .. import notices
+from .. import deepspeed_config, notices
 from ..errors import MemoryPlanError, PrerequisiteError
-from ..gather import full_numel
-from ..merge.merged_module import hidden_size_of
-from ..nvme import prerequisites as nvme_prerequisites
-from ..nvme import sub_groups_in_ram, swap_folder
+from ..nvme import prerequisites as nvme_prerequisites, swap_folder
+from ..weights.partitioned import full_numel
 from . import model as memory_model
+from .hidden_size import hidden_size_of
 
 ENV = "ACCEL_DS_FIX_MEMORY_CHECK"
 GIB = memory_model.GIB
@@ -138,12 +137,13 @@ def runnable_tiers_sentence(work, accelerator, capacity, hidden):
 def check_prerequisites(models, optimizer, config, accelerator):
     """A config that offloads to NVMe: stop before anything is allocated when this machine cannot run it (or
     its accel_ds_fix section is not understood)."""
-    sub_groups_in_ram.budget_bytes(config)  # ConfigError for a value that is not a budget
+    deepspeed_config.budget_bytes(config)  # ConfigError for a value that is not a budget
     work = workload_of(models, optimizer)
-    problems = nvme_prerequisites.problems(config, load=True, work=work)
+    largest = memory_model.largest_sub_group(work, memory_model.Settings.from_config(config))
+    problems = nvme_prerequisites.problems(config, load=True, largest_sub_group=largest)
     if not problems:
         # this process's swap folders: another live run there is refused, a dead run's files go (room for ours)
-        swap_folder.take([f for f in nvme_prerequisites.nvme_folders(config) if f], accelerator.process_index,
+        swap_folder.take([f for f in deepspeed_config.nvme_folders(config) if f], accelerator.process_index,
                          accelerator.num_processes, lambda line: notices.say(line, level=logging.WARNING))
         return
     hidden = max(hidden_size_of(m) for m in models)
@@ -200,7 +200,7 @@ def check_before_allocating(plan, config, accelerator):
                                        host_baseline=0)
         room = capacity.host - capacity.host_needed(without)
         what = (f"of the host memory, {_gib(kept_bytes)} are the optimizer sub groups the config keeps off the disk "
-                f"({sub_groups_in_ram.SECTION}.{sub_groups_in_ram.KEY}: {settings.nvme_ram / GIB:g})")
+                f"({deepspeed_config.SECTION}.{deepspeed_config.KEY}: {settings.nvme_ram / GIB:g})")
         problems.append(f"{what}: set it to {room // (GIB // 4) / 4:g} (slower steps, the same training)" if room >= 0
                         else f"{what}, and even with none kept the rest needs about {_gib(-room)} more")
     message = (

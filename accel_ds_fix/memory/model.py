@@ -10,6 +10,7 @@ else 4), m: bytes of master weights and their gradients (4, or 2 with *_master_w
 import dataclasses
 
 from .. import versions
+from ..deepspeed_config import Settings  # noqa: F401  (the model's input, read from the DeepSpeed config)
 from ..nvme import sub_groups_in_ram
 
 GIB = 1024**3
@@ -57,67 +58,6 @@ class Workload:
     # host bytes of every model as the script loads it, before its own casts and moves (a pipeline's scripts load
     # the transformer in fp32 and T5 beside it); 0: the prepared weights at weight_bytes
     loaded_bytes: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """What the DeepSpeed config contributes (``from_config`` reads it)."""
-
-    stage: int = 2
-    half_bytes: int = 2
-    master_bytes: int = 4
-    optimizer_state_bytes: int = 8  # Adam: exp_avg + exp_avg_sq in fp32
-    offload_optimizer: str = "none"  # none | cpu | nvme
-    offload_param: str = "none"
-    pin_memory: bool = False
-    reduce_bucket: int = int(5e8)
-    prefetch_bucket: int = int(5e7)
-    max_live: int = int(1e9)
-    sub_group: int = int(1e9)
-    swap_buffers: int = 4
-    pipelined: bool = False  # NVMe offload with pipeline_read or pipeline_write
-    nvme_ram: int = 0  # bytes of host memory for sub groups kept off the disk (nvme/sub_groups_in_ram.py)
-    grad_accum_bytes: int = 4
-    world_size: int = 1
-
-    @classmethod
-    def from_config(cls, config, mixed_precision="no", world_size=1, hidden_size=None):
-        def enabled(section):
-            value = config.get(section, {}).get("enabled", False)
-            return mixed_precision == section if value == "auto" else bool(value)
-
-        def number(value, default):
-            if value == "auto":  # accelerate fills these from the model's hidden size
-                return default if hidden_size is None else None
-            return int(float(value)) if value is not None else default
-
-        zero = config.get("zero_optimization", {})
-        half = 2 if (enabled("fp16") or enabled("bf16")) else 4
-        low_master = config.get("fp16", {}).get("fp16_master_weights_and_grads") or config.get("bf16", {}).get(
-            "bf16_master_weights_and_grads"
-        )
-        opt, par = zero.get("offload_optimizer") or {}, zero.get("offload_param") or {}
-        hidden = hidden_size or 1
-        reduce_bucket = number(zero.get("reduce_bucket_size"), int(5e8))
-        prefetch = number(zero.get("stage3_prefetch_bucket_size"), int(5e7))
-        accum = (config.get("data_types") or {}).get("grad_accum_dtype")
-        return cls(
-            stage=int(zero.get("stage", 0)),
-            half_bytes=half,
-            master_bytes=2 if (low_master and half == 2) else 4,
-            offload_optimizer=opt.get("device", "none") or "none",
-            offload_param=par.get("device", "none") or "none",
-            pin_memory=bool(opt.get("pin_memory", False) or par.get("pin_memory", False)),
-            reduce_bucket=reduce_bucket if reduce_bucket is not None else hidden * hidden,
-            prefetch_bucket=prefetch if prefetch is not None else int(0.9 * hidden * hidden),
-            max_live=number(zero.get("stage3_max_live_parameters"), int(1e9)) or int(1e9),
-            sub_group=number(zero.get("sub_group_size"), int(1e9)),
-            swap_buffers=int(opt.get("buffer_count", 4)),
-            pipelined=bool(opt.get("pipeline_read") or opt.get("pipeline_write")),
-            nvme_ram=sub_groups_in_ram.budget_bytes(config) if opt.get("device") == "nvme" else 0,
-            grad_accum_bytes=2 if accum in ("fp16", "bf16") else (2 if (low_master and half == 2) else 4),
-            world_size=world_size,
-        )
 
 
 @dataclasses.dataclass
@@ -224,7 +164,7 @@ def predict(work, s, device="cuda", host_baseline=None):
             gpu_train.append(("master weights, gradients and optimizer states", per_rank))
     else:
         params_on_gpu = s.offload_param == "none"
-        # the fix partitions the models from host memory, one weight at a time (patches/zero3_host_partition.py);
+        # the fix partitions the models from host memory, one weight at a time (zero3/host_partition.py);
         # DeepSpeed alone would move the whole module to the card first (h * P)
         gpu_build.append(("one weight on the card while ZeRO-3 partitions it", h * max(work.largest_weight,
                                                                                        work.largest_trainable)))
@@ -271,7 +211,7 @@ def predict(work, s, device="cuda", host_baseline=None):
 
     build, train = sum(b for _, b in gpu_build), sum(b for _, b in gpu_train)
     before = work.moved_before_prepare + work.frozen_on_gpu  # on the card before prepare() begins
-    # Under ZeRO-3 the fix holds that move back and partitions from host memory (patches/zero3_held_moves.py)
+    # Under ZeRO-3 the fix holds that move back and partitions from host memory (zero3/held_moves.py)
     if work.moved_before_prepare and s.stage < 3 and before > build:
         gpu_build.append(("prepared models the script moves to the card before prepare() (a LoRA's frozen base)",
                           before - build))
@@ -288,7 +228,7 @@ def predict(work, s, device="cuda", host_baseline=None):
     else:
         host_peak = baseline + max(loaded, deepspeed_host)
         gpu_alloc = max(build, train)
-        # ZeRO-1/2: reserved = allocated with the fix's release of ZeRO's freed blocks (patches/gpu_block_release.py);
+        # ZeRO-1/2: reserved = allocated with the fix's release of ZeRO's freed blocks (merge/gpu_block_release.py);
         # ZeRO-3 gathers and frees weights all the time, and the caching allocator keeps 10-35% more (measured).
         if s.stage < 3:
             gpu_reserved = gpu_alloc

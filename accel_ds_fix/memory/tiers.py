@@ -6,6 +6,8 @@ import dataclasses
 import json
 import os
 
+from ..deepspeed_config import offload_device
+
 # Options every tier shares: accelerate fills the "auto" values from the script's own arguments.
 _COMMON = {
     "train_micro_batch_size_per_gpu": "auto",
@@ -45,7 +47,7 @@ class Tier:
         """A fresh copy each call: callers may change it. ``nvme_ram_gib``: the NVMe tier's host memory for sub
         groups kept off the disk, where not the shipped amount (`plan` lowers it to fit a machine)."""
         config = json.loads(json.dumps({**_COMMON, "zero_optimization": self.zero, **self.extra}))
-        if config["zero_optimization"].get("offload_optimizer", {}).get("device") == "nvme":
+        if offload_device(config, "offload_optimizer") == "nvme":
             config["zero_optimization"]["offload_optimizer"]["nvme_path"] = nvme_path
         if nvme_ram_gib is not None and "accel_ds_fix" in config:
             config["accel_ds_fix"]["nvme_optimizer_ram_gib"] = nvme_ram_gib

@@ -18,6 +18,7 @@ import contextlib
 import torch
 
 from ..errors import MergeError
+from ..lookup import accelerator_record, engine_record
 
 # The engine whose backward runs now (its output hooks act, the others' do not). A module global, not a
 # thread-local: on a GPU, autograd runs tensor hooks on its own device threads, not the thread that called backward.
@@ -49,11 +50,11 @@ def gate_output_hooks(engine):
 
 def manage(accelerator, engine, optimizer, label):
     """Called once per engine built from a several-optimizer prepare()."""
-    engines = accelerator.__dict__.setdefault("_accel_ds_fix_engines", [])
-    engines.append(engine)
-    engine._accel_ds_fix_label = label
-    engine._accel_ds_fix_owned = {id(p) for p in engine.module.parameters()}
-    engine._accel_ds_fix_dropped = None
+    accelerator_record(accelerator).engines.append(engine)
+    record = engine_record(engine)
+    record.label = label
+    record.owned = {id(p) for p in engine.module.parameters()}
+    record.dropped = None
     gate_output_hooks(engine)
     if optimizer is not None:
         _clear_dropped_on_zero_grad(engine, optimizer)
@@ -67,7 +68,7 @@ def _clear_dropped_on_zero_grad(engine, optimizer):
 
     def zero_grad(*args, **kwargs):
         if optimizer.gradient_state.sync_gradients:
-            engine._accel_ds_fix_dropped = None
+            engine_record(engine).dropped = None
         return original(*args, **kwargs)
 
     optimizer.zero_grad = zero_grad
@@ -75,7 +76,8 @@ def _clear_dropped_on_zero_grad(engine, optimizer):
 
 def engines(accelerator):
     """The engines of a several-optimizer prepare() that the accelerator still holds (free_memory() drops them)."""
-    held = accelerator.__dict__.get("_accel_ds_fix_engines", [])
+    record = accelerator_record(accelerator, create=False)
+    held = record.engines if record is not None else []
     return [engine for engine in held if any(engine is model for model in accelerator._models)]
 
 
@@ -85,7 +87,7 @@ def recording_accumulate(accelerator, models, inner):
     flat = []
     for model in models:
         flat.extend(model if isinstance(model, (list, tuple)) else [model])
-    stack = accelerator.__dict__.setdefault("_accel_ds_fix_accumulating", [])
+    stack = accelerator_record(accelerator).accumulating
     stack.append(flat)
     try:
         with inner:
@@ -124,7 +126,7 @@ def _engine_of(model, managed):
 
 
 def _names(engine):
-    return engine._accel_ds_fix_label
+    return engine_record(engine).label
 
 
 def _target(accelerator, reached):
@@ -137,7 +139,8 @@ def _target(accelerator, reached):
         )
     if len(reached) == 1:
         return reached[0]
-    stack = accelerator.__dict__.get("_accel_ds_fix_accumulating") or [[]]
+    record = accelerator_record(accelerator, create=False)
+    stack = (record.accumulating if record is not None else None) or [[]]
     named = [e for e in (_engine_of(m, managed) for m in stack[-1]) if e is not None]
     chosen = [e for e in reached if e in named]
     if len(chosen) == 1:
@@ -187,13 +190,13 @@ def backward(accelerator, loss, **kwargs):
     owner_of = {}
     for engine in managed:
         for leaf in leaves:
-            if id(leaf) in engine._accel_ds_fix_owned:
+            if id(leaf) in engine_record(engine).owned:
                 owner_of[id(leaf)] = engine
     reached = [e for e in managed if any(owner_of.get(id(leaf)) is e for leaf in leaves)]
     target = _target(accelerator, reached)
-    if target._accel_ds_fix_dropped:
+    if engine_record(target).dropped:
         raise MergeError(
-            f"accel_ds_fix: this loss trains {_names(target)}, but {target._accel_ds_fix_dropped} Without DeepSpeed "
+            f"accel_ds_fix: this loss trains {_names(target)}, but {engine_record(target).dropped} Without DeepSpeed "
             "those gradients would stay in the parameters' .grad and add to this update; under DeepSpeed each "
             "engine gets only the gradients of its own backward. Call this engine's optimizer.zero_grad() before "
             "its phase (diffusers' train_vqgan.py does), or keep the other loss off these parameters (detach its "
@@ -201,11 +204,11 @@ def backward(accelerator, loss, **kwargs):
         )
     for other in reached:
         if other is not target:
-            other._accel_ds_fix_dropped = (
+            engine_record(other).dropped = (
                 f"an earlier loss that trained {_names(target)} also reached its trainable parameters, and its "
                 "optimizer's zero_grad() has not run since (at a step where accelerate syncs gradients)."
             )
     inputs = [leaf for leaf in leaves if owner_of.get(id(leaf), target) is target]
     with _backward_into(inputs), _routed_to(target):
-        target._accel_ds_fix_wrapper.backward(loss, sync_gradients=accelerator.sync_gradients, **kwargs)
+        engine_record(target).wrapper.backward(loss, sync_gradients=accelerator.sync_gradients, **kwargs)
     return target

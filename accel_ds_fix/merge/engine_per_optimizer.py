@@ -7,24 +7,19 @@ per loss (backward_routing.py)."""
 import logging
 
 from .. import notices
-from ..patches import clipping, cpu_threads, gpu_block_release
-from . import backward_routing, engine_setup, gradient_explanation
+from ..launch import cpu_threads
+from ..lookup import engine_record
+from . import backward_routing, clipping, engine_setup, gpu_block_release, gradient_explanation
 from .merged_module import MergedModels
 from .optimizer_groups import EngineGroups
 
 
-def _fp16(config, accelerator):
-    return bool(config.get("fp16", {}).get("enabled") is True or getattr(accelerator, "mixed_precision", None) == "fp16")
-
-
-def prepare(wrapped, instance, args, kwargs, config):
-    """Build one engine per optimizer of ``args``; return prepare()'s results in argument order."""
-    zero = config.get("zero_optimization", {})
-    offload_device = zero.get("offload_optimizer", {}).get("device", "none")
-    plan = EngineGroups(args)
-    groups = plan.build(zero.get("stage"), _fp16(config, instance), offload_device=offload_device,
-                        force_cpu_optimizer=config.get("zero_force_ds_cpu_optimizer", True))
-    if offload_device not in (None, "none"):
+def prepare(wrapped, instance, args, kwargs, plan):
+    """Build one engine per optimizer of ``args`` (classified by ``plan``, a MergePlan); return prepare()'s
+    results in argument order."""
+    grouping = EngineGroups(plan)
+    groups = grouping.build()
+    if plan.optimizer_offload != "none":
         cpu_threads.warn_if_few_for_cpu_optimizer()
     handed_back = {}
     grouped = {p for g in groups for p in [*g.model_positions, g.optimizer_position, *g.scheduler_positions]}
@@ -45,11 +40,11 @@ def prepare(wrapped, instance, args, kwargs, config):
         handed_back.update(zip(positions, result[1:]))
         proxies = engine_setup.adopt(engine, group.names, group.models)
         handed_back.update({p: proxies[n] for p, n in zip(group.model_positions, group.names)})
-        engine._accel_ds_fix_wrapper = wrapper
+        engine_record(engine).wrapper = wrapper
         backward_routing.manage(instance, engine, handed_back[group.optimizer_position],
                                 f"{', '.join(group.names)} (engine of {plan.optimizer_label(k)})")
-    gradient_explanation.watch(zero.get("stage"))
+    gradient_explanation.watch(plan.stage)
     if instance.is_main_process:
-        notices.say(plan.describe(zero.get("stage")), level=logging.INFO)
+        notices.say(grouping.describe(plan.stage), level=logging.INFO)
         clipping.say_at_prepare(instance)
     return tuple(handed_back[i] for i in range(len(args)))

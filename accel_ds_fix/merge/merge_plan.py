@@ -1,9 +1,12 @@
-"""Reads one ``prepare()`` argument list and decides what to merge, refusing what cannot work."""
+"""Reads one ``prepare()`` argument list, and the DeepSpeed config it is prepared under, once: where the models,
+optimizers and schedulers sit, the models' names, and the checks every engine of the call needs, each refusal
+said by one check."""
 
 import torch
 
+from ..deepspeed_config import cpu_optimizer_forced, fp16_enabled, offload_device, zero_stage
 from ..errors import MergeError
-from ..gather import full_numel
+from ..weights.partitioned import full_numel
 from .naming import model_names
 from .proxy import is_proxy
 
@@ -14,6 +17,12 @@ def is_optimizer(obj):
         return True
     # accelerate's DummyOptim (optimizer defined in the DeepSpeed config) is no torch Optimizer.
     return type(obj).__name__ == "DummyOptim" and hasattr(obj, "params")
+
+
+def is_scheduler(obj):
+    """torch's LRScheduler, diffusers' get_scheduler (a LambdaLR), anything else bound to an optimizer."""
+    return not isinstance(obj, torch.optim.Optimizer) and isinstance(getattr(obj, "optimizer", None),
+                                                                    torch.optim.Optimizer)
 
 
 def optimizer_params(optimizer):
@@ -46,13 +55,22 @@ def _count(n):
 
 
 class MergePlan:
-    """Where the models sit in the argument list, and their stable names (snake-cased class, argument order)."""
+    """Every argument of one prepare() call classified once (models with their stable names: snake-cased class,
+    argument order; optimizers; schedulers; the rest), and what the DeepSpeed config says about them."""
 
-    def __init__(self, args):
+    def __init__(self, args, config=None, mixed_precision=None):
+        self.args = list(args)
         self.positions = [i for i, obj in enumerate(args) if isinstance(obj, torch.nn.Module)]
         self.models = [args[i] for i in self.positions]
         self.names = model_names(self.models)
-        self.optimizers = [obj for obj in args if is_optimizer(obj)]
+        self.optimizer_positions = [i for i, obj in enumerate(args) if is_optimizer(obj)]
+        self.optimizers = [args[i] for i in self.optimizer_positions]
+        self.scheduler_positions = [i for i, obj in enumerate(args) if is_scheduler(obj)]
+        config = config or {}
+        self.stage = zero_stage(config)
+        self.optimizer_offload = offload_device(config, "offload_optimizer")
+        self.cpu_optimizer_forced = cpu_optimizer_forced(config)
+        self.fp16 = fp16_enabled(config) or mixed_precision == "fp16"
 
     def label(self, index):
         """How messages name the model at ``index`` of self.models: merged name, class and argument number."""
@@ -60,6 +78,13 @@ class MergePlan:
         prepared = _prepared_as(model)
         cls = prepared[1] if prepared else type(model).__name__
         return f"{self.names[index]} ({cls}, argument {self.positions[index] + 1} of prepare())"
+
+    def optimizer_label(self, k):
+        position = self.optimizer_positions[k]
+        return f"optimizer {k + 1} ({type(self.args[position]).__name__}, argument {position + 1} of prepare())"
+
+    def model_labels(self, indices):
+        return ", ".join(self.label(i) for i in indices)
 
     def describe(self, stage):
         """The merge line: each model's name, class, parameters (full ZeRO-3 sizes) and trainable parameters."""
@@ -71,17 +96,17 @@ class MergePlan:
             parts.append(f"{name} ({type(model).__name__}, {total} params, {trainable} trainable)")
         return f"merged {len(self.models)} models into one DeepSpeed engine (ZeRO stage {stage}): " + ", ".join(parts)
 
-    def check(self, offload_device="none", force_cpu_optimizer=True):
-        """Raise MergeError for any input that one merged engine cannot train correctly."""
-        self._check_each_model_once()
-        self._check_not_prepared()
-        # several optimizers never get here: one engine per optimizer (engine_per_optimizer.py)
-        if self.optimizers:
-            self._check_optimizer_covered(self.optimizers[0])
-            if offload_device not in (None, "none") and force_cpu_optimizer:
-                check_offloadable(self.optimizers[0], offload_device)
+    def check(self):
+        """Raise MergeError for any input that the call's engines cannot train correctly (one merged engine, or
+        one per optimizer: optimizer_groups.py checks what is particular to several)."""
+        self.check_each_model_once()
+        self.check_not_prepared()
+        self.check_optimizers_covered()
+        if self.cpu_optimizer_forced:
+            for optimizer in self.optimizers:
+                check_offloadable(optimizer, self.optimizer_offload)
 
-    def _check_each_model_once(self):
+    def check_each_model_once(self):
         for later, model in enumerate(self.models):
             earlier = next(i for i, m in enumerate(self.models) if m is model)
             if earlier != later:
@@ -92,7 +117,7 @@ class MergePlan:
                     "returns for it wherever the script needs the model again."
                 )
 
-    def _check_not_prepared(self):
+    def check_not_prepared(self):
         prepared = [self.label(i) for i, model in enumerate(self.models) if _prepared_as(model)]
         if prepared:
             raise MergeError(
@@ -101,18 +126,20 @@ class MergePlan:
                 "accelerator.prepare() call, each of them once."
             )
 
-    def _check_optimizer_covered(self, optimizer):
+    def check_optimizers_covered(self):
         known = {id(p) for model in self.models for p in model.parameters()}
-        strays = [p for p in optimizer_params(optimizer) if id(p) not in known]
-        if strays:
+        for k, optimizer in enumerate(self.optimizers):
+            strays = [p for p in optimizer_params(optimizer) if id(p) not in known]
+            if not strays:
+                continue
             shapes = ", ".join(str(tuple(p.shape)) for p in strays[:10])
             more = f" and {len(strays) - 10} more" if len(strays) > 10 else ""
-            models = ", ".join(self.label(i) for i in range(len(self.models)))
+            which = "the optimizer" if len(self.optimizers) == 1 else self.optimizer_label(k)
             raise MergeError(
-                f"accel_ds_fix: the optimizer holds {len(strays)} parameter(s) that belong to none of the "
-                f"{len(self.models)} models passed to prepare(): {models} (shapes: {shapes}{more}). DeepSpeed can "
-                "only train parameters of the modules it wraps: pass the model that owns them to the same "
-                "prepare() call, or leave them out of the optimizer."
+                f"accel_ds_fix: {which} holds {len(strays)} parameter(s) that belong to none of the "
+                f"{len(self.models)} models passed to prepare(): {self.model_labels(range(len(self.models)))} "
+                f"(shapes: {shapes}{more}). DeepSpeed can only train parameters of the modules it wraps: pass the "
+                "model that owns them to the same prepare() call, or leave them out of the optimizer."
             )
 
 

@@ -4,9 +4,9 @@ import copy
 
 import wrapt
 
-from ..checkpoints import deferred_save
-from ..gather import load_full_weights
-from ..patches import zero3_forward_alone
+from ..processes import deferred_save
+from ..weights.full_weights import load_full_weights
+from ..zero3 import forward_alone
 from .merged_module import TARGET_KEYWORD
 
 
@@ -25,7 +25,7 @@ class ModelProxy(wrapt.BaseObjectProxy):
     def __call__(self, *args, **kwargs):
         # several processes: a save_state the main process alone asked for; a ZeRO-3 forward on it alone
         deferred_save.at_training_forward()
-        zero3_forward_alone.check(self.__wrapped__)
+        forward_alone.check(self.__wrapped__)
         kwargs[TARGET_KEYWORD] = self._self_name
         return self._self_engine(*args, **kwargs)
 
@@ -54,6 +54,21 @@ class ModelProxy(wrapt.BaseObjectProxy):
 
     def __repr__(self):
         return f"<accel_ds_fix proxy of {type(self.__wrapped__).__name__} as models.{self._self_name}>"
+
+
+def name_the_models(error, models):
+    """Where a script's exception names the proxy's type (its own ``type(model)`` check in a save or load hook),
+    add a note naming the models the proxies stand for: without the fix the error would name their classes."""
+    proxies = [m for m in models if is_proxy(m)]
+    if not proxies or "ModelProxy" not in str(error) or not hasattr(error, "add_note"):
+        return
+    stood = ", ".join(f"{type(p.__wrapped__).__name__} (models.{p._self_name})" for p in proxies)
+    error.add_note(
+        f"accel_ds_fix: ModelProxy in this error is the fix's stand-in for a merged model; the hook was given "
+        f"{stood}. Without DeepSpeed the error would name the model's own class: the script checks type(model), "
+        "which is the stand-in's, where isinstance(model, TheClass) holds for it, or "
+        "accelerator.unwrap_model(model) gives the model itself."
+    )
 
 
 def is_proxy(obj):

@@ -7,8 +7,8 @@ import contextlib
 import logging
 
 from .. import notices
-from ..gather import full_numel
-from ..lookup import merged_engine
+from ..lookup import engine_record, merged_engine
+from ..weights.partitioned import full_numel
 
 
 def _optimized(param):
@@ -32,11 +32,12 @@ def remember(engine):
     """Record which parameters were trainable and which the engine's optimizer took (called right after
     prepare() built it)."""
     params = list(engine.module.parameters())
-    engine._accel_ds_fix_trained = {id(p) for p in params if _optimized(p)}
-    engine._accel_ds_fix_stepped = _stepped_whatever_the_gradient(engine)
-    engine._accel_ds_fix_params = params
-    engine._accel_ds_fix_flags = tuple(p.requires_grad for p in params)
-    engine._accel_ds_fix_in_optimizer = None  # unknown until prepare() says (held_by)
+    record = engine_record(engine)
+    record.trained = {id(p) for p in params if _optimized(p)}
+    record.stepped = _stepped_whatever_the_gradient(engine)
+    record.params = params
+    record.flags = tuple(p.requires_grad for p in params)
+    record.in_optimizer = None  # unknown until prepare() says (held_by)
 
 
 def held_by(optimizer):
@@ -58,10 +59,11 @@ def backward(wrapped, instance, args, kwargs):
         result, engine = None, backward_routing.backward(instance, *args, **kwargs)
     else:
         result, engine = wrapped(*args, **kwargs), merged_engine(instance)
-    if engine is not None and not getattr(engine, "_accel_ds_fix_trainability_said", False):
-        flags = tuple(p.requires_grad for p in engine._accel_ds_fix_params)
-        if flags != engine._accel_ds_fix_flags:
-            engine._accel_ds_fix_flags = flags
+    record = engine_record(engine, create=False) if engine is not None else None
+    if record is not None and record.params is not None and not record.trainability_said:
+        flags = tuple(p.requires_grad for p in record.params)
+        if flags != record.flags:
+            record.flags = flags
             warn_if_changed(engine)
     return result
 
@@ -75,11 +77,10 @@ def _changed(engine):
     """Names of the parameters made trainable after prepare() that the script's optimizer holds, of those frozen
     after it that DeepSpeed's optimizer still steps, and of the changes that alter nothing (frozen ones it does not
     step; trainable ones outside the script's optimizer)."""
-    trained = getattr(engine, "_accel_ds_fix_trained", None)
-    if trained is None:
+    record = engine_record(engine, create=False)
+    if record is None or record.trained is None:
         return [], [], []
-    stepped = engine._accel_ds_fix_stepped
-    in_optimizer = getattr(engine, "_accel_ds_fix_in_optimizer", None)
+    trained, stepped, in_optimizer = record.trained, record.stepped, record.in_optimizer
     turned_on, turned_off, harmless = [], [], []
     for name, param in engine.module.named_parameters():
         if full_numel(param) == 0:
@@ -102,18 +103,19 @@ def _listed(names):
 
 def warn_if_changed(engine):
     """Say once per engine when parameters changed requires_grad after prepare()."""
-    if getattr(engine, "_accel_ds_fix_trainability_said", False):
+    record = engine_record(engine)
+    if record.trainability_said:
         return
     turned_on, turned_off, harmless = _changed(engine)
-    if harmless and not getattr(engine, "_accel_ds_fix_harmless_said", False):
-        engine._accel_ds_fix_harmless_said = True
+    if harmless and not record.harmless_said:
+        record.harmless_said = True
         # kohya's train_network.py freezes the UNet and text encoder after prepare(): nothing to warn about.
         notices.logger.debug(
             "%d parameter(s) changed requires_grad after accelerator.prepare() (%s): no optimizer steps them, "
             "with DeepSpeed or without, so this changes nothing", len(harmless), _listed(harmless))
     if not (turned_on or turned_off):
         return
-    engine._accel_ds_fix_trainability_said = True
+    record.trainability_said = True
     parts = []
     if turned_on:
         parts.append(

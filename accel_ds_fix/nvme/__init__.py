@@ -3,5 +3,5 @@ on a given disk, and the DeepSpeed patches of its step: the fp32 gradients kept 
 kept in host memory within the config's budget, and each sub group let go of once the pipelined swapper has
 written it out.
 
-May use the top-level modules, ops and memory.model (the swap buffers' sizes).
+May use: the ground, ops.
 """

@@ -39,7 +39,7 @@ class DiskSpeed:
 
 
 # `plan --grid` without --nvme-path: a PCIe 3 NVMe SSD of the kind laptops and desktops have, reading and
-# writing at once about as fast as the lent H200 host's disk measured (1.95 GB/s, docs/gpu.md run 11).
+# writing at once about as fast as the H200 host's ext4 disk measured (1.95 GB/s, docs/gpu.md run 11).
 ASSUMED_NVME = DiskSpeed(read=2.0 * GB, write=2.0 * GB, folder="(assumed)", both=2.0 * GB)
 
 

@@ -7,20 +7,13 @@ import errno
 import mmap
 import os
 
-from ..memory import model as memory_model
+from ..deepspeed_config import Settings, nvme_folders
 from ..ops import builds, libaio
 from ..units import size_in_words
 from . import swap_folder
 
 GIB = 1024**3
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")
-
-
-def nvme_folders(config):
-    """The nvme_path of each part the DeepSpeed config offloads to NVMe (optimizer states, parameters)."""
-    zero = config.get("zero_optimization", {}) or {}
-    parts = (zero.get("offload_optimizer") or {}, zero.get("offload_param") or {})
-    return sorted({p.get("nvme_path") or "" for p in parts if p.get("device") == "nvme"})
 
 
 def existing_ancestor(path):
@@ -108,7 +101,7 @@ def direct_io_problem(folder):
     return None
 
 
-def locked_memory_problem(config, work=None):
+def locked_memory_problem(config, largest_sub_group=None):
     """None unless DeepSpeed would lock more host memory than this user may. On a CPU-only machine its NVMe swap
     locks its buffers with mlock (on a GPU machine CUDA pins them, outside that limit), and a failed mlock aborts
     the process (an assertion in deepspeed_pin_tensor.cpp), so this is said before."""
@@ -124,10 +117,10 @@ def locked_memory_problem(config, work=None):
     if os.geteuid() == 0:  # root may lock any amount (CAP_IPC_LOCK)
         return None
     limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-    settings = memory_model.Settings.from_config(config)
+    settings = Settings.from_config(config)
     # buffer_count swap buffers, each the size of the largest sub group (sub_group_size where the models are not
     # known yet), and I/O bounce buffers
-    largest = memory_model.largest_sub_group(work, settings) if work else settings.sub_group
+    largest = largest_sub_group if largest_sub_group is not None else settings.sub_group
     need = settings.swap_buffers * largest * 4 + 64 * 1024**2
     if limit == resource.RLIM_INFINITY or limit >= need:
         return None
@@ -136,13 +129,14 @@ def locked_memory_problem(config, work=None):
             "/etc/security/limits.conf, then log in again), or run it on a GPU machine, where CUDA pins the buffers")
 
 
-def problems(config, load=False, work=None):
-    """Why a config that offloads to NVMe cannot run here ([] when it can, or when it uses no NVMe); ``work``: the
-    memory model's workload, where the models are known."""
+def problems(config, load=False, largest_sub_group=None):
+    """Why a config that offloads to NVMe cannot run here ([] when it can, or when it uses no NVMe);
+    ``largest_sub_group``: the elements of the largest optimizer sub group a process swaps, where the models are
+    known (memory.model.largest_sub_group)."""
     folders = nvme_folders(config)
     if not folders:
         return []
-    found = [async_io_problem(load), locked_memory_problem(config, work)]
+    found = [async_io_problem(load), locked_memory_problem(config, largest_sub_group)]
     for folder in folders:
         found.append(direct_io_problem(folder) if folder else
                      "the config offloads to NVMe without an nvme_path: name a folder on a local disk")

@@ -10,44 +10,20 @@ sub group is still being written.
 
 The budget is the DeepSpeed config's ``"accel_ds_fix": {"nvme_optimizer_ram_gib": G}`` (the shipped zero3-nvme
 tier: 1.5); absent or 0, DeepSpeed's own behaviour. Which sub groups are kept depends only on the model and the
-budget, so every process keeps the same ones; a checkpoint records them (checkpoints/layout_change.py), since
+budget, so every process keeps the same ones; a checkpoint records them (checkpoints/layout/change.py), since
 DeepSpeed's NVMe checkpoint stores swapped and kept sub groups in different files. Applied to the DeepSpeed
 releases in ``versions.NVME_SUB_GROUPS_IN_RAM`` only.
 """
 
 import logging
 import math
-import numbers
 
 from .. import notices, versions
-from ..errors import ConfigError
+from ..deepspeed_config import KEY, SECTION, budget_bytes
+from ..lookup import optimizer_record
 
-SECTION, KEY = "accel_ds_fix", "nvme_optimizer_ram_gib"
 GIB = 1024**3
-_KEPT = "_accel_ds_fix_sub_groups_in_ram"  # set on the ZeRO-3 optimizer: the kept sub groups' indices
 _budget_of_engine_being_built = [0]
-
-
-def budget_bytes(config):
-    """The host-memory budget ``config`` gives kept sub groups, in bytes; ConfigError for a value that is not
-    one (said before anything is allocated: prepare() checks the config first)."""
-    section = config.get(SECTION)
-    if section is None:
-        return 0
-    if not isinstance(section, dict) or set(section) - {KEY}:
-        raise ConfigError(
-            f"accel_ds_fix: the DeepSpeed config's {SECTION!r} section is {section!r}; it takes one key, {KEY!r} "
-            f"(GiB of host memory for optimizer sub groups kept off the NVMe disk, 0 for none), e.g. "
-            f'"{SECTION}": {{"{KEY}": 1.5}}. Nothing was allocated.'
-        )
-    value = section.get(KEY, 0)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-        raise ConfigError(
-            f"accel_ds_fix: {SECTION}.{KEY} in the DeepSpeed config is {value!r}; it must be a number of GiB, 0 or "
-            f"more (GiB of host memory for optimizer sub groups kept off the NVMe disk), e.g. 1.5. Nothing was "
-            f"allocated."
-        )
-    return int(value * GIB)
 
 
 def pinned_bytes(nbytes):
@@ -81,7 +57,7 @@ def while_building(wrapped, instance, args, kwargs):
 
 
 def _kept(optimizer, swappable):
-    kept = optimizer.__dict__.get(_KEPT)
+    kept = optimizer_record(optimizer).sub_groups_in_ram
     if kept is None:
         budget = _budget_of_engine_being_built[0]
         kept = frozenset()
@@ -98,7 +74,7 @@ def _kept(optimizer, swappable):
                     f"{SECTION}.{KEY} is set, but DeepSpeed {versions.installed_version('deepspeed')} is not a release "
                     f"this was tested with ({' - '.join(versions.NVME_SUB_GROUPS_IN_RAM)}): every sub group is "
                     "swapped to the disk, as DeepSpeed does.", level=logging.WARNING, once_key=KEY)
-        optimizer.__dict__[_KEPT] = kept
+        optimizer_record(optimizer).sub_groups_in_ram = kept
     return kept
 
 
@@ -113,4 +89,5 @@ def swappable(wrapped, instance, args, kwargs):
 
 def kept_sub_groups(optimizer):
     """The indices of the sub groups ``optimizer`` keeps in RAM (sorted), [] where none."""
-    return sorted(optimizer.__dict__.get(_KEPT) or ())
+    record = optimizer_record(optimizer, create=False)
+    return sorted((record.sub_groups_in_ram if record is not None else None) or ())

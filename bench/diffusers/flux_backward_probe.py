@@ -3,7 +3,7 @@ widths (1 double + 1 single block), 512 px (1024 image + 512 text tokens), bf16,
 and backward per SDPA setting, each in its own process (an illegal memory access poisons the CUDA context).
 
     python bench/diffusers/flux_backward_probe.py            # all settings
-Found with run 13 (docs/gpu.md): diffusers' Flux scripts died in their first backward on the lent H200's torch
+Found with run 13 (docs/gpu.md): diffusers' Flux scripts died in their first backward on the H200 host's torch
 2.11+cu130, with and without DeepSpeed.
 """
 

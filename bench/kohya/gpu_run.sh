@@ -1,6 +1,6 @@
 #!/bin/bash
 # kohya's train_db.py (newest 48d368fa, January 2023 bf691aef) under the shipped tiers and its train_network.py (LoRA),
-# unmodified, the card capped at 6 GiB: docs/gpu.md, run 7. Run from the checkout on the lent H200, detached
+# unmodified, the card capped at 6 GiB: docs/gpu.md, run 7. Run from the checkout on an H200 host, detached
 # (setsid); logs and reports in $L, $L/done at the end. Needs (docs/gpu.md lists them): .whl/ (DeepSpeed and
 # kohya's pins as wheels), .debs/ (libaio), .kohya/newest and .kohya/jan2023 (`git archive` of the two commits:
 # train_db.py, train_network.py, library/, networks/), .kohya/jan2023whl/ (the January 2023 scripts' diffusers, transformers...).

@@ -10,7 +10,7 @@
   fixed at SD1.5's) built this narrow, to match `make_inputs.py --unet-channels`: the SD1.5 layout at a size that a
   CPU machine trains under every tier (a rehearsal; the script itself is not changed).
 - KOHYA_VAL_SDPA=no-cudnn: torch.backends.cuda.enable_cudnn_sdp(False) in the training process (cuDNN's attention
-  backward is broken on the lent GPU stack: docs/gpu.md run 13).
+  backward is broken on torch 2.11+cu130 with cuDNN 9.19: docs/gpu.md run 13).
 - KOHYA_VAL_SDXL_CHANNELS=64: kohya's own SDXL UNet (library/sdxl_original_unet.py, SDXL's widths as module
   constants) built that narrow, to match `make_shape_pipeline.py sdxl --random --tiny`: sdxl_train.py's rehearsal.
 """

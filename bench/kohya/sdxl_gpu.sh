@@ -1,7 +1,7 @@
 #!/bin/bash
 # kohya's sdxl_train.py (48d368fa, unmodified) with --train_text_encoder --deepspeed: a full fine-tune of an SDXL-sized
 # UNet with both text encoders (3.4B trained), issue 30 item 3b, beside the plan's prediction and the same script
-# uncapped without DeepSpeed. Run from the checkout on the lent GPU machine (docs/gpu.md, "Next GPU run"), detached:
+# uncapped without DeepSpeed. Run from the checkout on a GPU machine (docs/gpu.md, "Next GPU run"), detached:
 #   RES=/var/tmp/res bash bench/gpu_detached.sh start 'bash bench/kohya/sdxl_gpu.sh'
 # Carry: .whl (DeepSpeed, accelerate, ... and .whl/kohya/: kohya's pins, transformers 4.54.1, diffusers 0.32.1,
 # huggingface_hub 0.34.3, tokenizers 0.21.4, toml, voluptuous, imagesize, ftfy, wcwidth), .cache/libaio, .ext

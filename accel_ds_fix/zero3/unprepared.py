@@ -21,8 +21,8 @@ import logging
 import weakref
 
 from .. import notices
-from ..gather import is_partitioned, shards
-from . import first_forward, zero3_loading
+from ..weights.partitioned import is_partitioned, shards
+from . import first_forward, loading
 
 # What DeepSpeed's Init._convert_to_deepspeed_param puts on a parameter besides its ds_* attributes.
 _DEEPSPEED_PARAM_ATTRIBUTES = (
@@ -41,7 +41,7 @@ def watch_loaded(wrapped, instance, args, kwargs):
         # no later prepare() is expected to take it: built whole, as without DeepSpeed, and without zero.Init's
         # collectives (the scripts reload the pipeline on the main process alone: with several processes a
         # partitioned build waited there for the others, which had finished)
-        with zero3_loading.models_built_whole():
+        with loading.models_built_whole():
             return wrapped(*args, **kwargs)
     model = wrapped(*args, **kwargs)
     if _has_partitioned_params(model):

@@ -16,6 +16,7 @@ import os
 import torch
 
 from .. import versions
+from ..deepspeed_config import cpu_optimizer_forced
 
 FILLS_AUTO_VALUES = "0.16.0"
 SWAPS_IN_CPU_ADAM = "0.18.0"
@@ -45,9 +46,10 @@ def fill_precision(config, mixed_precision):
             section["enabled"] = mixed_precision == precision
 
 
-def with_cpu_adam(args):
-    """prepare()'s arguments, under optimizer offload, with a torch Adam/AdamW swapped for DeepSpeedCPUAdam."""
-    if not versions.older_than("accelerate", SWAPS_IN_CPU_ADAM):
+def with_cpu_adam(args, config):
+    """prepare()'s arguments, where ``config`` has accelerate swap in DeepSpeed's CPU optimizer (offload), with a
+    torch Adam/AdamW swapped for DeepSpeedCPUAdam as later releases do."""
+    if not versions.older_than("accelerate", SWAPS_IN_CPU_ADAM) or not cpu_optimizer_forced(config):
         return args
     return tuple(cpu_adam_like(obj) if isinstance(obj, (torch.optim.Adam, torch.optim.AdamW)) else obj
                  for obj in args)

@@ -14,40 +14,14 @@ DeepSpeed's own checkpointing calls ``state_dict()`` on the merged module, which
 non-empty prefix: those calls are left to DeepSpeed untouched.
 
 Gathering is a collective: with several processes, every process must ask for the state dict together
-(the same rule accelerate states for ``get_state_dict`` under ZeRO-3), except for what checkpoints/read_alone.py
+(the same rule accelerate states for ``get_state_dict`` under ZeRO-3), except for what read_alone.py
 keeps for a read on the main process alone.
 """
 
 import torch
 
-
-def is_partitioned(param):
-    return hasattr(param, "ds_id")
-
-
-def shards(params):
-    """The partitioned parameters that are shards now (not gathered already by an outer GatheredParameters,
-    whose own exit must be the one to partition them again)."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    return [p for p in params if is_partitioned(p) and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-
-
-def full_numel(param):
-    """The parameter's full number of elements, also when ZeRO-3 holds only a shard of it here."""
-    return param.ds_numel if is_partitioned(param) else param.numel()
-
-
-def is_flat_view(param):
-    """A whole parameter that is a view into a larger storage: what ZeRO-1/2 make of every trained parameter."""
-    if is_partitioned(param):
-        return False
-    return param.untyped_storage().nbytes() > param.numel() * param.element_size()
-
-
-def copied_by_hook(param):
-    """Whether the state_dict hook below gives a fresh host copy of this parameter."""
-    return is_partitioned(param) or is_flat_view(param)
+from . import read_alone
+from .partitioned import copied_by_hook, is_partitioned, shards
 
 
 def _host_copy(param):
@@ -68,8 +42,6 @@ def _separate_full_tensors(module, state_dict, prefix, local_metadata):
     # state_dict(keep_vars=True) holds the parameters themselves: that caller wants them, not copies.
     named = [(name, param) for name, param in module.named_parameters(remove_duplicate=False)
              if name in state_dict and state_dict[name] is not param and copied_by_hook(param)]
-    from .checkpoints import read_alone  # (imports this module)
-
     # with several processes, what needs no collective now (a read on the main process alone)
     copies = read_alone.full_values(module, [param for _, param in named])
     for name, param in named:
@@ -82,7 +54,7 @@ def _separate_full_tensors(module, state_dict, prefix, local_metadata):
 def add_full_weight_hooks(models):
     """Make ``state_dict()`` of each merged model return full, separate tensors; idempotent."""
     for model in models:
-        if not getattr(model, "_accel_ds_fix_gathers", False):
+        if not getattr(model, "_accel_ds_fix_gathers", False):  # a plain flag: the model may be pickled whole
             model._register_state_dict_hook(_separate_full_tensors)
             model._accel_ds_fix_gathers = True
 

@@ -10,8 +10,8 @@ Training forwards (gradients on) are left alone: every process runs them."""
 
 import torch
 
-from ..checkpoints import every_process
 from ..errors import ConfigError
+from ..processes import every_process
 
 # All processes run a forward together within seconds; a longer wait is a forward that runs on one process.
 FORWARD_ALONE_S = 120

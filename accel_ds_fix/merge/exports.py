@@ -1,8 +1,8 @@
 """unwrap_model / get_state_dict (and save_model, which calls it) for merged models: each model's own keys,
 full tensors under ZeRO-3, never the merged engine's ``models.<name>.`` prefixes."""
 
-from ..gather import state_dict_for_saving
-from ..merge.proxy import is_proxy
+from ..weights.full_weights import state_dict_for_saving
+from .proxy import is_proxy
 
 
 def _model_arg(args, kwargs):

@@ -23,7 +23,7 @@ import logging
 import sys
 
 from .. import notices
-from ..checkpoints import every_process
+from ..processes import every_process
 
 # Processes that load together reach the same from_pretrained within moments of each other.
 LOAD_TOGETHER_S = 10

@@ -8,23 +8,28 @@ engine owning the parameters given (accelerate would report the first engine's).
 import logging
 
 from .. import notices
-from ..lookup import deepspeed_config, merged_engine, merged_engines
-
-_AUTO = "_accel_ds_fix_clipping_as_configured"
+from ..lookup import NOT_RECORDED, accelerator_record, deepspeed_config, merged_engine, merged_engines
 
 
 def record_configured(accelerator, config):
     """At the first prepare(), before accelerate fills in "auto": what the DeepSpeed config itself says of
     gradient_clipping."""
-    if not hasattr(accelerator, _AUTO):
-        setattr(accelerator, _AUTO, config.get("gradient_clipping", "auto"))
+    record = accelerator_record(accelerator)
+    if record.clipping_as_configured is NOT_RECORDED:
+        record.clipping_as_configured = config.get("gradient_clipping", "auto")
+
+
+def _configured(accelerator, otherwise):
+    record = accelerator_record(accelerator, create=False)
+    configured = record.clipping_as_configured if record is not None else NOT_RECORDED
+    return otherwise if configured is NOT_RECORDED else configured
 
 
 def _in_effect(accelerator):
     """(the norm the engine clips to, 0 for none; where that value comes from, in words)."""
     engine = merged_engine(accelerator)
     value = float(engine.gradient_clipping() or 0) if engine is not None else 0.0
-    configured = getattr(accelerator, _AUTO, deepspeed_config(accelerator).get("gradient_clipping"))
+    configured = _configured(accelerator, deepspeed_config(accelerator).get("gradient_clipping"))
     if configured == "auto":
         return value, f'the DeepSpeed config\'s gradient_clipping is "auto", which accelerate fills with {value:g}'
     if configured is None:
@@ -35,7 +40,7 @@ def _in_effect(accelerator):
 def say_at_prepare(accelerator):
     """Once, when a merged engine clips without the config asking for it."""
     value, source = _in_effect(accelerator)
-    if value and getattr(accelerator, _AUTO, None) in (None, "auto"):
+    if value and _configured(accelerator, None) in (None, "auto"):
         notices.say(
             f"the DeepSpeed engine clips the gradients' norm to {value:g} at every step ({source}). Without "
             "DeepSpeed a script clips only where it calls accelerator.clip_grad_norm_(). Set gradient_clipping in "
@@ -45,8 +50,8 @@ def say_at_prepare(accelerator):
 
 
 def clip_grad_norm_(wrapped, instance, args, kwargs):
-    if merged_engine(instance) is not None and not getattr(instance, "_accel_ds_fix_clip_said", False):
-        instance._accel_ds_fix_clip_said = True
+    if merged_engine(instance) is not None and not accelerator_record(instance).clip_said:
+        accelerator_record(instance).clip_said = True
         max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
         value, source = _in_effect(instance)
         if max_norm is not None and value and float(max_norm) == value:

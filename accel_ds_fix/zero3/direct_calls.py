@@ -9,6 +9,8 @@ Inside the engine's forward DeepSpeed marks every module "in forward", and there
 it runs, the recomputation of gradient checkpointing included.
 """
 
+from ..lookup import engine_record
+
 
 def _marked(module):
     return getattr(module._parameters, "_in_forward", False)
@@ -26,10 +28,11 @@ def _mark(module, value):
 def watch(engine):
     """Mark a module of the engine and what it holds as in forward while it runs outside the engine's own forward
     (its own subtree only: each recomputed block of gradient checkpointing marks its few modules, not the model's
-    thousands); checkpoints/read_alone.py reads the flag it leaves on the engine."""
-    if getattr(engine, "_accel_ds_fix_called_in_parts", False):
+    thousands); weights/read_alone.py reads the flag it leaves in the engine's record."""
+    record = engine_record(engine)
+    if record.called_in_parts:
         return
-    engine._accel_ds_fix_called_in_parts = True
+    record.called_in_parts = True
     marking = []  # the modules whose call set the marks, innermost last
 
     def before(module, args):

@@ -8,7 +8,7 @@ ZeRO-3 config, from the Accelerator's creation until the first prepare() that bu
 diffusers or transformers model is held: the dtype is applied at once, the device is remembered, and
 
 - a model passed to prepare() is left where it is: the engine partitions it from host memory
-  (patches/zero3_host_partition.py) and puts its shards where offload_param says;
+  (zero3/host_partition.py) and puts its shards where offload_param says;
 - any other held model (a frozen VAE or text encoder) is moved to the card at that prepare(), or at its first
   forward if a script uses it before: where the script asked, only later.
 
@@ -17,7 +17,7 @@ the model follows (kohya's `img_tensors.to(vae.device)` before caching latents; 
 prior-preservation images): the move itself happens before the model's first forward.
 
 Models that zero.Init already partitioned (transformers' from_pretrained under ZeRO-3) are not held: their
-placeholders follow .to() and patches/zero3_unprepared.py makes them whole there. A move after prepare(), to the
+placeholders follow .to() and zero3/unprepared.py makes them whole there. A move after prepare(), to the
 CPU, or of a plain torch module passes through unchanged.
 """
 
@@ -27,8 +27,9 @@ import weakref
 import torch
 
 from .. import notices
-from ..gather import is_partitioned
+from ..deepspeed_config import zero_stage
 from ..lookup import deepspeed_config, uses_deepspeed
+from ..weights.partitioned import is_partitioned
 from . import first_forward
 
 _MODEL_BASES = ("ModelMixin", "PreTrainedModel")  # diffusers' and transformers' model classes
@@ -41,7 +42,7 @@ def arm_at_init(wrapped, instance, args, kwargs):
     """Accelerator.__init__: hold moves from here under a ZeRO-3 config."""
     global _armed
     result = wrapped(*args, **kwargs)
-    if uses_deepspeed(instance) and deepspeed_config(instance).get("zero_optimization", {}).get("stage") == 3:
+    if uses_deepspeed(instance) and zero_stage(deepspeed_config(instance)) == 3:
         _armed = True
     return result
 

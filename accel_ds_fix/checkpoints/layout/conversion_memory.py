@@ -10,8 +10,8 @@ on its own, instead of the kernel's OOM killer half-way. ACCEL_DS_FIX_MEMORY_CHE
 
 import os
 
-from ..errors import CheckpointError
-from ..memory import check as memory_check
+from ...errors import CheckpointError
+from ...memory import check as memory_check
 from . import universal_copy
 
 GIB = 2**30

@@ -15,7 +15,6 @@ state, Adam's step count in every parameter's folder, shaped tensors).
 import argparse
 import contextlib
 import glob
-import hashlib
 import io
 import json
 import os
@@ -25,18 +24,11 @@ import time
 
 import torch
 
-from ..errors import CheckpointError
-from . import manifest
+from ...errors import CheckpointError
 
 UNIVERSAL = ".accel_ds_fix-universal."
 CONVERTING = ".accel_ds_fix-converting."
 RECORD = "accel_ds_fix-conversion.json"  # written last: the conversion is whole, and of which checkpoint
-
-
-def digest(directory):
-    """What names the checkpoint's content: the sha256 of its manifest, which lists every file's sha256."""
-    with open(os.path.join(directory, manifest.FILENAME), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
 
 
 def _beside(directory, prefix):

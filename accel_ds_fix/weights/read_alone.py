@@ -17,7 +17,8 @@ import weakref
 from .. import notices
 from ..errors import CheckpointError
 from ..lookup import engines_read_in_parts
-from . import every_process
+from ..processes import every_process
+from .partitioned import is_partitioned, shards
 
 # A host copy on every process: a LoRA's trained weights are megabytes; a full fine-tune's are the model.
 SNAPSHOT_LIMIT_BYTES = 2 * 2**30
@@ -30,10 +31,6 @@ TOGETHER_S = 10
 _copies = {}  # id(trained partitioned parameter) -> (a weak reference to it, its full value on the host)
 _taken_at = None  # (weak references to the engines, their global_steps) when _copies were taken
 _drop_hooks = []  # forward pre-hooks on the engines' modules that drop stale copies
-
-
-def _partitioned(param):
-    return hasattr(param, "ds_id")  # gather.is_partitioned, which cannot be imported here at start-up
 
 
 def _steps(engines):
@@ -55,7 +52,7 @@ def _take(engines):
     steps = _steps(engines)
     if _taken_at is not None and _same(_taken_at[0], engines) and _taken_at[1] == steps:
         return
-    partitioned = [p for e in engines for p in e.module.parameters() if _partitioned(p)]
+    partitioned = [p for e in engines for p in e.module.parameters() if is_partitioned(p)]
     trained = [p for p in partitioned if p.requires_grad]
     forget()
     if not trained or _bytes(trained) > SNAPSHOT_LIMIT_BYTES:
@@ -127,8 +124,6 @@ def full_values(module, params):
     The rest the caller gathers (every process is reading)."""
     if not every_process.several_processes():
         return {}
-    from ..gather import shards  # (gather imports this module)
-
     partitioned = shards(params)  # gathered already (a save hook runs inside a gather): read as they are
     if not partitioned:
         return {}

@@ -11,15 +11,19 @@ have done besides is done here: the weights are cast to the training precision f
 models) and the buffers, never partitioned, are moved to the card.
 """
 
+import contextlib
+import copy
+
 import torch
 
-from .zero3_dtypes import CASTABLE
+from ..deepspeed_config import offload_device, section
+from .dtypes import CASTABLE
 
 
 def _settled(config, dtype):
     """The config as zero.Init reads it, before accelerate has filled its "auto" values (it does so while building
     the engine): the ZeRO section without them, the batch sizes at one, the precision ``dtype``."""
-    zero = {k: v for k, v in config.get("zero_optimization", {}).items() if v != "auto"}
+    zero = {k: v for k, v in section(config, "zero_optimization").items() if v != "auto"}
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": zero,
             "fp16": {"enabled": dtype == torch.float16}, "bf16": {"enabled": dtype == torch.bfloat16}}
 
@@ -34,7 +38,7 @@ def partition_from_host(module, config, dtype, device):
     for p in todo:
         if dtype is not None and p.dtype in CASTABLE and p.dtype != dtype:
             p.data = p.data.to(dtype)
-    offload = (config.get("zero_optimization", {}).get("offload_param") or {}).get("device", "none")
+    offload = offload_device(config, "offload_param")
     deepspeed.zero.Init(module=module, config_dict_or_path=_settled(config, dtype), dtype=dtype,
                         remote_device=offload if offload in ("cpu", "nvme") else None)
     for sub in module.modules():
@@ -42,3 +46,24 @@ def partition_from_host(module, config, dtype, device):
             if buffer is not None and buffer.device != torch.device(device):
                 sub._buffers[name] = buffer.to(device)
     return len(todo)
+
+
+@contextlib.contextmanager
+def when_the_engine_is_built(module, config, dtype, device):
+    """Around accelerate's prepare() of one model: partition ``module`` from host memory at accelerate's call of
+    deepspeed.initialize, after accelerate's own checks (a missing ``model.config`` for "auto" bucket sizes, say),
+    so that a user meets accelerate's errors first, as without the fix. ``config`` is read as it is now, before
+    accelerate fills its "auto" values, as partition_from_host reads it."""
+    import deepspeed
+
+    config, original = copy.deepcopy(config), deepspeed.initialize
+
+    def initialize(*args, **kwargs):
+        partition_from_host(module, config, dtype, device)
+        return original(*args, **kwargs)
+
+    deepspeed.initialize = initialize
+    try:
+        yield
+    finally:
+        deepspeed.initialize = original

@@ -19,10 +19,12 @@ import os
 
 import torch
 
-from .. import notices
-from ..errors import CheckpointError
-from ..nvme import sub_groups_in_ram
-from . import conversion_memory, crash_safe, manifest, universal_copy
+from ... import notices
+from ...deepspeed_config import offload_device, section, zero_stage
+from ...errors import CheckpointError
+from ...nvme import sub_groups_in_ram
+from .. import crash_safe, manifest
+from . import conversion_memory, universal_copy
 
 
 def _device(offload):
@@ -61,14 +63,13 @@ def of_checkpoint(directory, tag, recorded):
     try:  # mmap: the file holds the ZeRO-1/2 weights too
         states = torch.load(names[0], map_location="cpu", weights_only=False, mmap=True)
         config = states["ds_config"]
-        zero = config.get("zero_optimization", {})
-        enabled = {key: (config.get(key) or {}).get("enabled", False) for key in ("bf16", "fp16")}
+        enabled = {key: section(config, key).get("enabled", False) for key in ("bf16", "fp16")}
         if not all(isinstance(value, bool) for value in enabled.values()):
             return None  # "auto" left in: the precision cannot be told
         precision = "bf16" if enabled["bf16"] else "fp16" if enabled["fp16"] else "fp32"
-        return {"zero_stage": int(zero.get("stage", 0)), "world_size": int(states["dp_world_size"]),
-                "offload_optimizer": str((zero.get("offload_optimizer") or {}).get("device") or "none"),
-                "offload_param": str((zero.get("offload_param") or {}).get("device") or "none"),
+        return {"zero_stage": zero_stage(config), "world_size": int(states["dp_world_size"]),
+                "offload_optimizer": offload_device(config, "offload_optimizer"),
+                "offload_param": offload_device(config, "offload_param"),
                 "precision": precision, "deepspeed": str(states.get("ds_version"))}
     except Exception:  # noqa: BLE001 - an unreadable or unexpected file: DeepSpeed's own load says what is wrong
         return None
@@ -121,19 +122,19 @@ def check(directory, saved, current):
     return True
 
 
-def _prepared(accelerator, directory, tag, saved, current):
+def _prepared(accelerator, verified, tag, saved, current):
     """The universal copy, converted by the main process while the others wait; every process gets the same
     outcome (an error raised on all of them, not a hang)."""
+    directory = verified.path
     folder = universal_copy.converted_path(directory)
     outcome = None
     if accelerator.is_main_process:
         try:
-            digest = universal_copy.digest(directory)
-            if universal_copy.reusable(folder, digest, tag):
+            if universal_copy.reusable(folder, verified.digest, tag):
                 outcome = ("reused", 0.0)
             else:
                 conversion_memory.check(directory, tag, in_run=True)
-                outcome = ("converted", universal_copy.convert(directory, tag, digest))
+                outcome = ("converted", universal_copy.convert(directory, tag, verified.digest))
         except Exception as exc:  # noqa: BLE001 - handed to every process below
             outcome = ("error", exc if isinstance(exc, CheckpointError) else CheckpointError(
                 f"accel_ds_fix: converting {directory} for {describe(current)} failed: {type(exc).__name__}: {exc}. "
@@ -161,18 +162,17 @@ def convert_ahead(directory, tag="pytorch_model"):
     """`python -m accel_ds_fix convert-checkpoint DIR`: the universal copy made before the run that resumes it (the
     converter holds one process's optimizer states in host memory, which a run short of RAM has not to spare:
     conversion_memory.py). Returns (folder, seconds, reused)."""
-    crash_safe.check_whole(directory)
-    if manifest.read(directory) is None:
+    verified = crash_safe.check_whole(directory)
+    if verified is None or verified.content is None:
         raise CheckpointError(f"accel_ds_fix: {directory} has no {manifest.FILENAME}: it was not saved by "
                               "accelerator.save_state() with models merged by accel_ds_fix; nothing to convert.")
     if not os.path.isdir(os.path.join(directory, tag)):
         raise CheckpointError(f"accel_ds_fix: {directory} has no DeepSpeed checkpoint {tag}/ (give --tag: the "
                               "engine's folder inside it); nothing was written.")
-    source = universal_copy.digest(directory)
-    if universal_copy.reusable(universal_copy.converted_path(directory), source, tag):
+    if universal_copy.reusable(universal_copy.converted_path(directory), verified.digest, tag):
         return universal_copy.converted_path(directory), 0.0, True
     conversion_memory.check(directory, tag, in_run=False)
-    return universal_copy.converted_path(directory), universal_copy.convert(directory, tag, source), False
+    return universal_copy.converted_path(directory), universal_copy.convert(directory, tag, verified.digest), False
 
 
 # ---- the load ---------------------------------------------------------------------------------------------------
@@ -235,14 +235,14 @@ def _universal_load(engine, folder):
 
 
 @contextlib.contextmanager
-def resumed(accelerator, engine, directory, tag, saved_layout):
-    """Around accelerate's load_state: yields False where the checkpoint loads as it is, True where it is
-    loaded from its universal copy (converted here first where needed)."""
+def resumed(accelerator, engine, verified, tag, saved_layout):
+    """Around accelerate's load_state of the checkpoint crash_safe.check_whole ``verified``: yields False where
+    it loads as it is, True where it is loaded from its universal copy (converted here first where needed)."""
     current = of_engine(engine)
-    if not check(directory, saved_layout, current):
+    if not check(verified.path, saved_layout, current):
         yield False
         return
-    folder = _prepared(accelerator, directory, tag, saved_layout, current)
+    folder = _prepared(accelerator, verified, tag, saved_layout, current)
     with _universal_load(engine, folder):
         yield True
     _steps_as_kept(engine.optimizer.optimizer)

@@ -1,0 +1,138 @@
+"""The one reader of a DeepSpeed config. Every part of the package asks it, so that a section left out and one
+set to null (JSON's null, YAML's ~) mean the same everywhere, and "auto" is read one way.
+
+``Settings`` is what the memory model, the plan, prepare() and the checkpoints' layout read from a config; the
+small functions answer single questions where a whole ``Settings`` is more than the caller has (before accelerate
+filled the config's "auto" values).
+"""
+
+import dataclasses
+import math
+import numbers
+
+from .errors import ConfigError
+
+# The package's own section: the NVMe tier's host-memory budget for sub groups kept off the disk
+# (nvme/sub_groups_in_ram.py).
+SECTION, KEY = "accel_ds_fix", "nvme_optimizer_ram_gib"
+GIB = 1024**3
+
+
+def section(config, *path):
+    """``config[path[0]][path[1]]...`` as a dict: {} where a section is missing, null or not a mapping."""
+    for key in path:
+        config = config.get(key) if isinstance(config, dict) else None
+    return config if isinstance(config, dict) else {}
+
+
+def zero_stage(config):
+    """The ZeRO stage, 0 where the config has none (or "auto" that accelerate has not filled yet)."""
+    stage = section(config, "zero_optimization").get("stage", 0)
+    try:
+        return int(stage)
+    except (TypeError, ValueError):
+        return 0
+
+
+def offload_device(config, part):
+    """Where ZeRO offloads ``part`` ("offload_optimizer" or "offload_param"): "none", "cpu" or "nvme"."""
+    return str(section(config, "zero_optimization", part).get("device") or "none")
+
+
+def nvme_folders(config):
+    """The nvme_path of each part the config offloads to NVMe (optimizer states, parameters), "" where unset."""
+    parts = ("offload_optimizer", "offload_param")
+    return sorted({section(config, "zero_optimization", p).get("nvme_path") or "" for p in parts
+                   if offload_device(config, p) == "nvme"})
+
+
+def cpu_optimizer_forced(config):
+    """Whether accelerate swaps the script's optimizer for DeepSpeed's CPU one: under optimizer offload, unless the
+    config's zero_force_ds_cpu_optimizer is false."""
+    return offload_device(config, "offload_optimizer") != "none" and config.get("zero_force_ds_cpu_optimizer", True)
+
+
+def fp16_enabled(config):
+    return section(config, "fp16").get("enabled") is True
+
+
+def budget_bytes(config):
+    """The host-memory budget ``config`` gives kept sub groups, in bytes; ConfigError for a value that is not
+    one (said before anything is allocated: prepare() checks the config first)."""
+    ours = config.get(SECTION)
+    if ours is None:
+        return 0
+    if not isinstance(ours, dict) or set(ours) - {KEY}:
+        raise ConfigError(
+            f"accel_ds_fix: the DeepSpeed config's {SECTION!r} section is {ours!r}; it takes one key, {KEY!r} "
+            f"(GiB of host memory for optimizer sub groups kept off the NVMe disk, 0 for none), e.g. "
+            f'"{SECTION}": {{"{KEY}": 1.5}}. Nothing was allocated.'
+        )
+    value = ours.get(KEY, 0)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ConfigError(
+            f"accel_ds_fix: {SECTION}.{KEY} in the DeepSpeed config is {value!r}; it must be a number of GiB, 0 or "
+            f"more (GiB of host memory for optimizer sub groups kept off the NVMe disk), e.g. 1.5. Nothing was "
+            f"allocated."
+        )
+    return int(value * GIB)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the DeepSpeed config contributes to a training (``from_config`` reads it)."""
+
+    stage: int = 2
+    half_bytes: int = 2
+    master_bytes: int = 4
+    optimizer_state_bytes: int = 8  # Adam: exp_avg + exp_avg_sq in fp32
+    offload_optimizer: str = "none"  # none | cpu | nvme
+    offload_param: str = "none"
+    pin_memory: bool = False
+    reduce_bucket: int = int(5e8)
+    prefetch_bucket: int = int(5e7)
+    max_live: int = int(1e9)
+    sub_group: int = int(1e9)
+    swap_buffers: int = 4
+    pipelined: bool = False  # NVMe offload with pipeline_read or pipeline_write
+    nvme_ram: int = 0  # bytes of host memory for sub groups kept off the disk (nvme/sub_groups_in_ram.py)
+    grad_accum_bytes: int = 4
+    world_size: int = 1
+
+    @classmethod
+    def from_config(cls, config, mixed_precision="no", world_size=1, hidden_size=None):
+        def enabled(name):
+            value = section(config, name).get("enabled", False)
+            return mixed_precision == name if value == "auto" else bool(value)
+
+        def number(value, default):
+            if value == "auto":  # accelerate fills these from the model's hidden size
+                return default if hidden_size is None else None
+            return int(float(value)) if value is not None else default
+
+        zero = section(config, "zero_optimization")
+        half = 2 if (enabled("fp16") or enabled("bf16")) else 4
+        low_master = (section(config, "fp16").get("fp16_master_weights_and_grads")
+                      or section(config, "bf16").get("bf16_master_weights_and_grads"))
+        opt, par = section(zero, "offload_optimizer"), section(zero, "offload_param")
+        hidden = hidden_size or 1
+        reduce_bucket = number(zero.get("reduce_bucket_size"), int(5e8))
+        prefetch = number(zero.get("stage3_prefetch_bucket_size"), int(5e7))
+        accum = section(config, "data_types").get("grad_accum_dtype")
+        return cls(
+            stage=zero_stage(config),
+            half_bytes=half,
+            master_bytes=2 if (low_master and half == 2) else 4,
+            offload_optimizer=offload_device(config, "offload_optimizer"),
+            offload_param=offload_device(config, "offload_param"),
+            pin_memory=bool(opt.get("pin_memory", False) or par.get("pin_memory", False)),
+            reduce_bucket=reduce_bucket if reduce_bucket is not None else hidden * hidden,
+            prefetch_bucket=prefetch if prefetch is not None else int(0.9 * hidden * hidden),
+            max_live=number(zero.get("stage3_max_live_parameters"), int(1e9)) or int(1e9),
+            sub_group=number(zero.get("sub_group_size"), int(1e9)),
+            swap_buffers=int(opt.get("buffer_count", 4)),
+            pipelined=bool(opt.get("pipeline_read") or opt.get("pipeline_write")),
+            nvme_ram=budget_bytes(config) if offload_device(config, "offload_optimizer") == "nvme" else 0,
+            grad_accum_bytes=2 if accum in ("fp16", "bf16") else (2 if (low_master and half == 2) else 4),
+            world_size=world_size,
+        )
