@@ -833,6 +833,29 @@ def hooks_and_helpers(reference):
 
 
 @scenario
+def null_sections(reference):
+    # A DeepSpeed config with null sections (JSON null), as DeepSpeed itself takes them: two models merged, trained;
+    # the reference trains the hand-written merge of the same models.
+    from train_two_models import HandMerged
+
+    zero = {"stage": 2, "offload_param": None}
+    if "--null-optimizer-offload" in sys.argv:  # accelerate's own prepare() reads this one with .get()
+        zero["offload_optimizer"] = None
+    acc = accelerator(config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                              "zero_optimization": zero})
+    set_seed(0)
+    unet, te = TinyUNet(), TinyTextEncoder()
+    if reference:
+        merged = HandMerged(te, unet)
+        opt = torch.optim.AdamW(merged.parameters(), lr=1e-2)
+        merged, opt, dl = acc.prepare(merged, opt, data())
+        return {"losses": train(acc, lambda ids, lat: merged(ids, lat), opt, dl, (merged,))}
+    opt = torch.optim.AdamW([*unet.parameters(), *te.parameters()], lr=1e-2)
+    unet, te, opt, dl = acc.prepare(unet, te, opt, data())
+    return {"losses": train(acc, lambda ids, lat: unet(lat, te(ids)), opt, dl, (unet, te))}
+
+
+@scenario
 def one_model_auto_buckets(reference):
     # accelerate's own test_autofill_comm_buffers_dsconfig, replayed on the CPU (bf16): one model under a ZeRO-3
     # config whose bucket sizes are "auto". accelerate fills them from model.config, and says so where it cannot;

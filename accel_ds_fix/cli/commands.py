@@ -12,6 +12,7 @@ import re
 import sys
 import tempfile
 
+from ..deepspeed_config import section
 from ..memory import advice, model as memory_model, tiers
 from ..nvme import disk_speed, prerequisites as nvme_prerequisites
 from ..ops import builds, libaio
@@ -286,7 +287,7 @@ def _nvme_timing(args, work, rows):
     if not row["can_run_here"]:
         return {"measured": False, "why_not": row["cannot_run_here"]}
     config = tiers.BY_NAME["zero3-nvme"].deepspeed_config(args.nvme_path, row["nvme_optimizer_ram_gib"])
-    speed = disk_speed.measure(args.nvme_path, config.get("aio", {}))
+    speed = disk_speed.measure(args.nvme_path, section(config, "aio"))
     settings = memory_model.Settings.from_config(config, args.mixed_precision, args.num_processes)
     kept, _ = memory_model.kept_in_ram(work, settings)
     return {"measured": True, "folder": args.nvme_path, "read_gb_per_s": round(speed.read / 1e9, 3),

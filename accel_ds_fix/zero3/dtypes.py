@@ -11,6 +11,8 @@ gives the engine one precision.
 
 import torch
 
+from ..deepspeed_config import section
+
 # DeepSpeed's engine.py CASTABLE_DTYPES: what its own cast converts.
 CASTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KEYS = {"fp16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -19,7 +21,7 @@ _KEYS = {"fp16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat
 def training_dtype(config, mixed_precision):
     """fp16/bf16 as the DeepSpeed config (its "auto" filled from accelerate's mixed_precision) sets it, else None."""
     for key, dtype in _KEYS.items():
-        enabled = config.get(key, {}).get("enabled", False)
+        enabled = section(config, key).get("enabled", False)
         if enabled is True or (enabled == "auto" and mixed_precision == key.replace("bfloat16", "bf16")):
             return dtype
     return None
