@@ -35,6 +35,11 @@ class EngineRecord:
     owned: set = None
     dropped: str = None
     wrapper: object = None
+    # the script's clip_grad_norm_ (merge/script_clipping.py): DeepSpeed's own step, whether accelerate's backward
+    # is running (its step is then held), and the step held
+    real_step: object = None
+    holding_step: bool = False
+    step_pending: tuple = None
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,6 +1,7 @@
 """One scenario per process: `python tests/scenarios.py NAME [--reference]`. Prints one JSON line (the last
 line of stdout) with what the test checks. Real accelerate + DeepSpeed, CPU, one process."""
 
+import itertools
 import json
 import logging
 import os
@@ -830,6 +831,48 @@ def hooks_and_helpers(reference):
                      "returned": list(returned)}
     return seen
 
+
+
+@scenario
+def clip_by_the_scripts_norm(reference):
+    # diffusers' LoRA scripts (train_dreambooth_lora_flux.py --train_text_encoder): the text encoder's embedding,
+    # frozen and outside the optimizer, is made trainable after prepare() (for gradient checkpointing), and the
+    # script clips chain(unet.parameters(), text_encoder.parameters()) to max_norm (argv[3]) each step, with a
+    # decaying learning rate. The reference is plain accelerate without DeepSpeed. argv[2]: "2", "2-offload", "3", "1".
+    stage, _, offload = sys.argv[2].partition("-")
+    max_norm = float(sys.argv[3])
+    if reference:
+        accel_ds_fix.uninstall()
+        acc = Accelerator(cpu=True)
+    else:
+        zero = {"stage": int(stage)}
+        if offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        acc = accelerator(config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                                  "gradient_clipping": "auto", "zero_optimization": zero,
+                                  "zero_force_ds_cpu_optimizer": False})
+    set_seed(0)
+    unet, te = TinyUNet(), TinyTextEncoder()
+    te.embed.requires_grad_(False)
+    opt = torch.optim.AdamW([*unet.parameters(), *(p for n, p in te.named_parameters() if not n.startswith("embed"))],
+                            lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + 0.5 * step))
+    unet, te, opt, dl, scheduler = acc.prepare(unet, te, opt, data(steps=6), scheduler)
+    acc.unwrap_model(te).embed.requires_grad_(True)
+    losses, norms = [], []
+    for ids, latents in dl:
+        loss = torch.nn.functional.mse_loss(unet(latents, te(ids)), latents)
+        acc.backward(loss)
+        norms.append(float(acc.clip_grad_norm_(itertools.chain(unet.parameters(), te.parameters()), max_norm)))
+        opt.step()
+        scheduler.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    weights = {}
+    for name, model in (("unet", unet), ("te", te)):
+        state = acc.get_state_dict(model)
+        weights.update({f"{name}.{k}": v.float().flatten().tolist() for k, v in state.items()})
+    return {"losses": losses, "norms": norms, "weights": weights}
 
 
 @scenario

@@ -9,6 +9,7 @@ import logging
 
 from .. import notices
 from ..lookup import NOT_RECORDED, accelerator_record, deepspeed_config, merged_engine, merged_engines
+from . import script_clipping
 
 
 def record_configured(accelerator, config):
@@ -49,7 +50,40 @@ def say_at_prepare(accelerator):
         )
 
 
+def _as_the_script_asks(engine, wrapped, instance, args, kwargs):
+    """One merged engine: its held step runs clipped to the script's max_norm over the parameters it names
+    (script_clipping.py); the norm returned is that step's, as accelerate returns it."""
+    parameters = args[0] if args else kwargs.get("parameters")
+    max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
+    norm_type = args[2] if len(args) > 2 else kwargs.get("norm_type", 2)
+    parameters = [parameters] if hasattr(parameters, "grad") else list(parameters)
+    l2 = float(norm_type) == 2.0
+    script_clipping.run_held_step(engine, parameters, float(max_norm) if l2 and max_norm is not None else None)
+    if not accelerator_record(instance).clip_said:
+        accelerator_record(instance).clip_said = True
+        value, source = _in_effect(instance)
+        left_out = script_clipping.clips_part_of_the_engine(engine, parameters)
+        if l2:
+            notices.say(f"accelerator.clip_grad_norm_() is applied as without DeepSpeed: the engine's step clips to "
+                        f"max_norm={max_norm:g} over the parameters the script names, those outside DeepSpeed's "
+                        f"optimizer counted too (steps without the call clip to {value:g}: {source})")
+        if l2 and left_out:
+            notices.say(f"accelerator.clip_grad_norm_() names {left_out} fewer parameter(s) than DeepSpeed trains in "
+                        "the merged engine: DeepSpeed scales the gradients of all it trains by one factor, so those "
+                        "are clipped too, where without DeepSpeed they would not be. Pass every trained model's "
+                        "parameters to clip_grad_norm_ to clip as without DeepSpeed.", level=logging.WARNING)
+        else:
+            notices.say(f"accelerator.clip_grad_norm_(norm_type={norm_type}): DeepSpeed clips by the L2 norm only; "
+                        f"the engine clips every step to {value:g} ({source}), so this call is not applied here. "
+                        "Use norm_type=2 to clip as the script asks.", level=logging.WARNING)
+    rest = {k: v for k, v in kwargs.items() if k != "parameters"}
+    return wrapped(parameters, *args[1:], **rest)
+
+
 def clip_grad_norm_(wrapped, instance, args, kwargs):
+    engines = merged_engines(instance)
+    if len(engines) == 1 and script_clipping.holds_steps(engines[0]):
+        return _as_the_script_asks(engines[0], wrapped, instance, args, kwargs)
     if merged_engine(instance) is not None and not accelerator_record(instance).clip_said:
         accelerator_record(instance).clip_said = True
         max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
@@ -65,7 +99,6 @@ def clip_grad_norm_(wrapped, instance, args, kwargs):
                 f"{max_norm} to clip as the script asks.",
                 level=logging.WARNING,
             )
-    engines = merged_engines(instance)
     if len(engines) > 1:
         given = args[0] if args else kwargs.get("parameters")
         given = {id(p) for p in ([given] if hasattr(given, "grad") else given)}

@@ -14,8 +14,8 @@ from ..memory import check as memory_check
 from ..processes import deferred_save
 from ..weights import full_weights
 from ..zero3 import direct_calls, dtypes, forward_alone, held_moves, host_partition, unprepared
-from . import (clipping, engine_per_optimizer, engine_setup, gpu_block_release, gradient_explanation, textual_inversion,
-               trainability)
+from . import (clipping, engine_per_optimizer, engine_setup, gpu_block_release, gradient_explanation, script_clipping,
+               textual_inversion, trainability)
 from .merge_plan import MergePlan
 from .merged_module import MergedModels
 
@@ -107,6 +107,8 @@ def prepare(wrapped, instance, args, kwargs):
             handed_back.append(proxies[plan.names[plan.positions.index(i)]])
         else:
             handed_back.append(next(remaining))
+    # the script's clip_grad_norm_ as plain accelerate applies it: the engine's step waits for it
+    script_clipping.arm(engine, handed_back[plan.optimizer_positions[0]] if plan.optimizers else None)
     gradient_explanation.watch(stage)
     if instance.is_main_process:
         notices.say(description)
