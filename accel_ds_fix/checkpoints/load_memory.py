@@ -1,11 +1,11 @@
 """Host memory for DeepSpeed's own load of a checkpoint in the layout that saved it, checked before loading.
 
-DeepSpeed (0.19.8, engine._get_all_zero_checkpoint_state_dicts) reads this process's ZeRO file whole with
-torch.load, beside the run's own buffers: the fp32 master weights and Adam's two states of its partition, 12 bytes
-a trained parameter (11 GiB for SD1.5), on top of a training that already holds about as much under CPU optimizer
-offload (memory/model.py resume_extra). Where the host has not that room the kernel's OOM killer ends the resume
-half-way; this stops it first, with what to do. Under NVMe offload the fix maps the file instead
-(nvme_resume.py), so nothing is checked there. ACCEL_DS_FIX_MEMORY_CHECK (warn / off) applies.
+The fix maps this process's ZeRO file for DeepSpeed's load (mapped_load.py): the fp32 master weights are copied
+into the run's own buffers, and Adam's two states of its partition (8 bytes a trained parameter, 7.3 GiB for
+SD1.5) are copied out into memory of the process's own, as a fresh training's first step allocates them. Where the
+host has not that room the kernel's OOM killer would end the resume half-way; this stops it first, with what to
+do. Under NVMe offload the states stay on the disk (nvme_resume.py), so nothing is checked there.
+ACCEL_DS_FIX_MEMORY_CHECK (warn / off) applies.
 """
 
 import os
@@ -27,14 +27,23 @@ def check(engine, directory, tag, available=None):
     if not os.path.isfile(path):
         return  # DeepSpeed's own message for a checkpoint without it
     available = memory_check.available_host_bytes() if available is None else available
-    size = os.path.getsize(path)
+    size = states_bytes(engine)
     if available is None or size <= available:
         return
     message = (
-        f"accel_ds_fix: load_state reads {path} whole ({size / GIB:.1f} GiB: this process's fp32 master weights and "
-        f"optimizer states; DeepSpeed loads it with torch.load) beside this run's memory, and {available / GIB:.1f} GiB "
-        "are available. Nothing was loaded; the checkpoint is unchanged. Close what else holds memory, or resume on "
+        f"accel_ds_fix: load_state copies this process's optimizer states ({size / GIB:.1f} GiB, as the training's "
+        f"first step would allocate them) out of {path} (mapped, not read whole) beside this run's memory, and "
+        f"{available / GIB:.1f} GiB are available. Nothing was loaded; the checkpoint is unchanged. Close what else "
+        "holds memory, or resume on "
         "the zero3-nvme tier, which reads the states from the disk a piece at a time: convert the checkpoint first "
         f"with `python -m accel_ds_fix convert-checkpoint {directory}` (on its own, before the run). `python -m "
         f"accel_ds_fix plan` shows each tier's resume peak. Set {memory_check.ENV}=warn to try here anyway.")
     memory_check.stop_or_warn(mode, message, CheckpointError)
+
+
+def states_bytes(engine):
+    """Adam's two fp32 states of this process's partition: what the load copies out of the mapped file."""
+    optimizer = engine.optimizer
+    flat = getattr(optimizer, "single_partition_of_fp32_groups", None) or getattr(
+        optimizer, "fp32_partitioned_groups_flat", None) or []
+    return 8 * sum(int(p.numel()) for p in flat)

@@ -25,7 +25,8 @@ from ..processes import deferred_save, every_process
 from ..weights import read_alone
 from ..weights.partitioned import copied_by_hook, shards
 from ..zero3.loading import models_built_whole
-from . import cpu_adam_steps, crash_safe, load_hooks, load_memory, manifest, nvme_resume, param_groups
+from . import (cpu_adam_steps, crash_safe, load_hooks, load_memory, manifest, mapped_load, nvme_resume,
+               param_groups)
 from .engine_views import merged_view
 from .layout import change as layout_change
 
@@ -241,7 +242,8 @@ def load_state(wrapped, instance, args, kwargs):
             with trainability.as_saved(merged, saved["frozen"]), param_groups.kept_across_load(engines):
                 # the folder checked, also where accelerate would pick it (automatic naming: the highest number)
                 rest = {k: v for k, v in kwargs.items() if k != "input_dir"}
-                result = wrapped(directory, *args[1:], **rest)
+                with mapped_load.mapped(engines):  # the files mapped, not read whole beside the training
+                    result = wrapped(directory, *args[1:], **rest)
     if not converted:  # a universal copy holds every sub group's states: nothing skipped to restore
         for engine, tag in zip(engines, tags):
             nvme_resume.restore(engine, directory, tag)

@@ -333,7 +333,7 @@ def _print_plan(params, trainable, source, machine, args, rows, recommended, wor
           f"({advice.HOST_RESERVE / GIB:.1f} kept for the system and desktop)\n")
     print(f"{'tier':<20}{'GPU reserved':>13}{'host peak':>11}{'resuming':>10}{'NVMe':>9}  fits")
     for r in rows:
-        host = "host" if not r["fits_host_training"] else "host when resuming (load_state reads the optimizer states)"
+        host = "host" if not r["fits_host_training"] else "host when resuming (load_state reads the sub groups kept in RAM)"
         verdict = "yes" if r["fits"] else "no: " + " and ".join(
             n for n, ok in (("GPU", r["fits_gpu"]), (host, r["fits_host"])) if not ok)
         if not r["can_run_here"]:

@@ -245,13 +245,14 @@ def predict(work, s, device="cuda", host_baseline=None):
 
 def resume_extra(work, s, device="cuda"):
     """Host memory that load_state holds beside the training's buffers, at its peak. DeepSpeed (0.19.8,
-    engine._get_all_zero_checkpoint_state_dicts) reads this rank's ZeRO file whole with torch.load: the fp32 master
-    weights and the optimizer states of its partition. Under NVMe offload that file holds only the sub groups kept
-    in RAM (the rest are swap files, which DeepSpeed copies on disk), and the fix maps it for its own reading
-    (checkpoints/nvme_resume.py): SD1.5 at 1.5 GiB kept, load_state's anonymous peak 0.46 GiB above prepare's, the
-    file 1.05 GiB (bench/resume_peak.py --model sd15 --full-size, on the CPU)."""
-    if s.stage == 0:
+    engine._get_all_zero_checkpoint_state_dicts) reads this rank's ZeRO file whole with torch.load; the fix maps it
+    instead (checkpoints/mapped_load.py): the master weights are copied into the run's buffers and Adam's states
+    out into memory of the process's own, which the training holds anyway from its first step, so nothing comes on
+    top (zero2-offload, 75.5M parameters on the CPU: load_state's anonymous peak 1.83 GiB against the training's
+    1.88; DeepSpeed's own read 2.11). Under NVMe offload that file holds only the sub groups kept in RAM (the rest
+    are swap files, which DeepSpeed copies on disk), which nvme_resume.py reads from the mapping: SD1.5 at 1.5 GiB
+    kept, load_state's anonymous peak 0.46 GiB above prepare's, the file 1.05 GiB (bench/resume_peak.py --model sd15
+    --full-size, on the CPU)."""
+    if s.stage == 0 or s.offload_optimizer != "nvme":
         return 0
-    if s.offload_optimizer == "nvme":
-        return (s.master_bytes + s.optimizer_state_bytes) * kept_in_ram(work, s, device)[0]
-    return (s.master_bytes + s.optimizer_state_bytes) * work.trainable // s.world_size
+    return (s.master_bytes + s.optimizer_state_bytes) * kept_in_ram(work, s, device)[0]

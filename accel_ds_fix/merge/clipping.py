@@ -63,19 +63,20 @@ def _as_the_script_asks(engine, wrapped, instance, args, kwargs):
         accelerator_record(instance).clip_said = True
         value, source = _in_effect(instance)
         left_out = script_clipping.clips_part_of_the_engine(engine, parameters)
-        if l2:
-            notices.say(f"accelerator.clip_grad_norm_() is applied as without DeepSpeed: the engine's step clips to "
-                        f"max_norm={max_norm:g} over the parameters the script names, those outside DeepSpeed's "
-                        f"optimizer counted too (steps without the call clip to {value:g}: {source})")
-        if l2 and left_out:
+        otherwise = f"clip to {value:g}: {source}" if value else f"are not clipped: {source}"
+        if not l2:
+            notices.say(f"accelerator.clip_grad_norm_(norm_type={norm_type}): DeepSpeed clips by the L2 norm only, so "
+                        f"this call is not applied here; the engine's steps {otherwise}. Use norm_type=2 to clip as "
+                        "the script asks.", level=logging.WARNING)
+            return wrapped(parameters, *args[1:], **{k: v for k, v in kwargs.items() if k != "parameters"})
+        notices.say(f"accelerator.clip_grad_norm_() is applied as without DeepSpeed: the engine's step clips to "
+                    f"max_norm={max_norm:g} over the parameters the script names, those outside DeepSpeed's "
+                    f"optimizer counted too (steps without the call {otherwise})")
+        if left_out:
             notices.say(f"accelerator.clip_grad_norm_() names {left_out} fewer parameter(s) than DeepSpeed trains in "
                         "the merged engine: DeepSpeed scales the gradients of all it trains by one factor, so those "
                         "are clipped too, where without DeepSpeed they would not be. Pass every trained model's "
                         "parameters to clip_grad_norm_ to clip as without DeepSpeed.", level=logging.WARNING)
-        else:
-            notices.say(f"accelerator.clip_grad_norm_(norm_type={norm_type}): DeepSpeed clips by the L2 norm only; "
-                        f"the engine clips every step to {value:g} ({source}), so this call is not applied here. "
-                        "Use norm_type=2 to clip as the script asks.", level=logging.WARNING)
     rest = {k: v for k, v in kwargs.items() if k != "parameters"}
     return wrapped(parameters, *args[1:], **rest)
 
