@@ -21,6 +21,8 @@ def mapped(engines):
 
     patched, mapped_at = [], set()  # the data pointers of what the mapped files hold
     for engine in engines:
+        if getattr(engine.optimizer, "swap_optimizer", False):
+            continue  # NVMe: its states stay on the disk, and nvme_resume.py maps the file itself
         checkpoint_engine = getattr(engine, "checkpoint_engine", None)
         if checkpoint_engine is None or type(checkpoint_engine).__name__ != "TorchCheckpointEngine":
             continue  # another engine (Nebula, decoupled): its own reading
@@ -38,7 +40,8 @@ def mapped(engines):
         for checkpoint_engine in patched:
             checkpoint_engine.__dict__.pop("load", None)
     for engine in engines:
-        _own_states(getattr(engine.optimizer, "optimizer", engine.optimizer), mapped_at)
+        if mapped_at:
+            _own_states(getattr(engine.optimizer, "optimizer", engine.optimizer), mapped_at)
 
 
 def _tensors(value):

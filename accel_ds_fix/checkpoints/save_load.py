@@ -242,7 +242,8 @@ def load_state(wrapped, instance, args, kwargs):
             with trainability.as_saved(merged, saved["frozen"]), param_groups.kept_across_load(engines):
                 # the folder checked, also where accelerate would pick it (automatic naming: the highest number)
                 rest = {k: v for k, v in kwargs.items() if k != "input_dir"}
-                with mapped_load.mapped(engines):  # the files mapped, not read whole beside the training
+                # the files mapped, not read whole beside the training (a universal copy is read by its own loader)
+                with mapped_load.mapped([] if converted else engines):
                     result = wrapped(directory, *args[1:], **rest)
     if not converted:  # a universal copy holds every sub group's states: nothing skipped to restore
         for engine, tag in zip(engines, tags):
