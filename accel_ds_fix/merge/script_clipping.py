@@ -52,7 +52,7 @@ def arm(engine, optimizer):
 def hold_step(wrapped, instance, args, kwargs):
     """Accelerator.backward: the merged engine's step is held (a step still held from the last backward runs
     first)."""
-    engines = [e for e in merged_engines(instance) if engine_record(e).real_step is not None]
+    engines = [e for e in merged_engines(instance) if holds_steps(e)]
     if len(engines) != 1:
         return wrapped(*args, **kwargs)
     record = engine_record(engines[0])
