@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 
-from ..lookup import engine_record, merged_engines
+from ..lookup import engine_record, merged_engines, uses_deepspeed
 from ..memory import heap
 from ..merge import trainability
 from ..merge.proxy import name_the_models, unwrap
@@ -29,6 +29,7 @@ from . import (cpu_adam_steps, crash_safe, load_hooks, load_memory, manifest, ma
                param_groups)
 from .engine_views import merged_view
 from .layout import change as layout_change
+from .on_off import from_plain, plain_files, to_plain
 
 
 class ModelWeights(collections.abc.Mapping):
@@ -210,6 +211,10 @@ def load_state(wrapped, instance, args, kwargs):
     engine, which overrides whatever the hooks loaded."""
     engines = merged_engines(instance)  # one per optimizer of a GAN-style prepare(), else one
     read_alone.forget()  # the weights are about to change without an optimizer step
+    if not engines and not uses_deepspeed(instance):  # DeepSpeed off now: a merged DeepSpeed checkpoint converts
+        directory = _input_dir(instance, args, kwargs)
+        if directory is not None and to_plain.saved_under_deepspeed(directory):
+            return to_plain.load(wrapped, instance, directory, args, kwargs)
     directory = _input_dir(instance, args, kwargs) if engines else None
     if directory is not None:
         if instance.is_main_process:
@@ -218,6 +223,9 @@ def load_state(wrapped, instance, args, kwargs):
         verified = crash_safe.check_whole(directory)  # a partial, mixed or altered folder: refused before loading
     if directory is None or verified is None:
         return wrapped(*args, **kwargs)  # accelerate's own handling, and its own error for a missing folder
+    if verified.content is None and plain_files.written_by_plain_accelerate(directory):  # DeepSpeed on now
+        return from_plain.load(wrapped, instance, engines, directory, args, kwargs,
+                               lambda: _hooks_replaced(instance, "_load_model_state_pre_hook", lambda h: _already_called))
     merged = merged_view(engines, lambda e: _checkpoint_tag(instance, e))
     saved = manifest.check(verified, merged)
     tags = [_checkpoint_tag(instance, engine) for engine in engines]

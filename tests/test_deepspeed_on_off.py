@@ -1,0 +1,136 @@
+"""DeepSpeed switched off and on at a resume (issue 41): a checkpoint that save_state wrote under DeepSpeed with
+merged models resumes under plain accelerate (no DeepSpeed config), and one that plain accelerate wrote resumes
+under DeepSpeed, both with their weights, Adam states and step, scheduler, random states and custom objects.
+tests/on_off_runs.py (two models, one AdamW, a decaying learning rate, clip_grad_norm_ on both sides, noise from
+the global random state), fp32 on the CPU, real accelerate + DeepSpeed; the reference is plain accelerate's own
+uninterrupted run, whose own save_state and load_state it must match."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import clean_env, run
+
+RUNS = Path(__file__).resolve().parent / "on_off_runs.py"
+# DeepSpeed's ZeRO steps in fp32 on the CPU match plain accelerate's to 6e-8 in these losses (an fp32 rounding of
+# the gradient norm's sum), CPU Adam's to about the same: far below what a lost Adam state, a wrong step count or
+# learning rate, or a parameter given another's states changes (1e-3 or more at the next step).
+CLOSE = 1e-6
+
+
+def train(tmp_path, name, layout, *args, check=True):
+    """One run of tests/on_off_runs.py; returns (its results or None, stderr)."""
+    out = tmp_path / f"{name}.json"
+    proc = run([sys.executable, RUNS, "--layout", layout, *args, "--out", out], env=clean_env(), check=check)
+    return (json.loads(out.read_text()) if out.exists() else None), proc.stderr
+
+
+def said(stderr, words):
+    return [line for line in stderr.splitlines() if words in line]
+
+
+def furthest(weights, reference):
+    """The largest absolute difference between two runs' final weights, over every tensor of both models."""
+    a, b = torch.load(weights), torch.load(reference)
+    assert a.keys() == b.keys() and all(a[m].keys() == b[m].keys() for m in a)
+    return max((a[m][k] - b[m][k]).abs().max().item() for m in a for k in a[m])
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """Plain accelerate, uninterrupted: 6 steps, its own checkpoint after step 3 (model.safetensors, model_1,
+    optimizer.bin, scheduler.bin, random_states_0.pkl, custom_checkpoint_0.pkl), and its final weights."""
+    folder = tmp_path_factory.mktemp("plain")
+    results, _ = train(folder, "plain", "none", "--steps", "6", "--save", folder / "ckpt", "--save-at", "3",
+                       "--weights", folder / "weights.pt")
+    assert {p.name for p in (folder / "ckpt").iterdir()} >= {"model.safetensors", "model_1.safetensors",
+                                                             "optimizer.bin", "scheduler.bin"}
+    # plain accelerate resumes its own checkpoint exactly: the standard the conversions are held to
+    resumed, _ = train(folder, "own", "none", "--resume", folder / "ckpt", "--first-step", "3", "--steps", "3")
+    assert resumed["losses"] == results["losses"][3:] and resumed["count"] == 6
+    return folder, results
+
+
+@pytest.mark.parametrize("saved_under, resumed_under", [("zero2", "zero3"), ("zero3-offload", "zero2"),
+                                                        ("zero1", "zero2-offload")])
+def test_deepspeed_checkpoint_resumes_without_deepspeed_and_back(tmp_path, plain, saved_under, resumed_under):
+    """About 11 s: a DeepSpeed run saves after step 3, plain accelerate resumes it for steps 4 to 6 and saves after
+    step 4, and DeepSpeed in another layout resumes that for steps 5 and 6; each leg continues as the uninterrupted
+    plain run."""
+    reference_dir, reference = plain
+    ckpt = tmp_path / "ds-ckpt"
+    first, _ = train(tmp_path, "ds", saved_under, "--steps", "3", "--save", ckpt, "--save-at", "3")
+    assert first["losses"] == pytest.approx(reference["losses"][:3], abs=CLOSE)
+    assert (ckpt / "pytorch_model").is_dir() and not (ckpt / "model.safetensors").exists()
+
+    # DeepSpeed off: accelerate alone ends in FileNotFoundError (model.safetensors / pytorch_model.bin) here
+    home = tmp_path / "plain-ckpt"
+    resumed, stderr = train(tmp_path, "off", "none", "--resume", ckpt, "--first-step", "3", "--steps", "3", "--save",
+                            home, "--save-at", "4", "--weights", tmp_path / "weights.pt")
+    assert resumed["lrs"] == reference["lrs"][3:] and resumed["count"] == 6  # the scheduler, the custom object
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], reference["losses"][3:])) < CLOSE, resumed
+    assert furthest(tmp_path / "weights.pt", reference_dir / "weights.pt") < CLOSE
+    line = said(stderr, "this run has no DeepSpeed: converted it for plain accelerate")
+    assert len(line) == 1, stderr[-3000:]
+    assert line[0].startswith(f"accel_ds_fix: {ckpt} was saved under DeepSpeed (ZeRO-{saved_under[4]}, 1 process")
+    assert ("(tinyunet, tinytextencoder: the weights, AdamW's exp_avg, exp_avg_sq and step at step 3, the scheduler, "
+            f"the random states) through its universal copy {tmp_path / '.accel_ds_fix-universal.ds-ckpt'} "
+            "(made now, the original unchanged)") in line[0]
+
+    # DeepSpeed on again, in another layout, from plain accelerate's own checkpoint of step 4
+    back, stderr = train(tmp_path, "on", resumed_under, "--resume", home, "--first-step", "4", "--steps", "2")
+    assert back["lrs"] == reference["lrs"][4:] and back["count"] == 6
+    assert max(abs(a - b) for a, b in zip(back["losses"], reference["losses"][4:])) < CLOSE, back
+    line = said(stderr, f"{home} was saved by plain accelerate; this run is ZeRO-{resumed_under[4]}, 1 process")
+    assert len(line) == 1, stderr[-3000:]
+    engine_optimizer = "DeepSpeedCPUAdam" if "offload" in resumed_under else "AdamW"  # offload's own optimizer
+    assert (f"converted it (tinyunet, tinytextencoder: the weights, {engine_optimizer} given optimizer.bin's exp_avg, exp_avg_sq "
+            "and step 4, the scheduler, the random states) through DeepSpeed's universal checkpoint format in "
+            f"{tmp_path / '.accel_ds_fix-universal.plain-ckpt'} (made now, the original unchanged)") in line[0]
+    assert not list(tmp_path.glob(".accel_ds_fix-converting.*"))
+
+
+def test_plain_checkpoint_under_deepspeed_exact_leftovers_of_a_killed_conversion_and_refusals(tmp_path, plain):
+    """About 20 s. Plain accelerate's checkpoint of step 3 under ZeRO-2: steps 4 to 6 as the uninterrupted plain
+    run; what a conversion killed half-way leaves is never taken; another optimizer is refused before anything
+    is loaded, on both sides."""
+    reference_dir, reference = plain
+    ckpt = reference_dir / "ckpt"
+    copy = reference_dir / ".accel_ds_fix-universal.ckpt"
+    # What a kill -9 in the middle of a conversion leaves (the temporary folder), and a copy of other content (a
+    # checkpoint that was overwritten since): neither is taken; the original is never changed.
+    (reference_dir / ".accel_ds_fix-converting.ckpt" / "pytorch_model" / "zero").mkdir(parents=True)
+    copy.mkdir(exist_ok=True)
+    (copy / "accel_ds_fix-conversion.json").write_text(json.dumps({"source": "0" * 64, "tag": "pytorch_model"}))
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    resumed, stderr = train(tmp_path, "on", "zero2", "--resume", ckpt, "--first-step", "3", "--steps", "3",
+                            "--weights", tmp_path / "weights.pt")
+    assert resumed["lrs"] == reference["lrs"][3:] and resumed["count"] == 6
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], reference["losses"][3:])) < CLOSE, resumed
+    assert furthest(tmp_path / "weights.pt", reference_dir / "weights.pt") < CLOSE
+    assert len(said(stderr, f"format in {copy} (made now, the original unchanged)")) == 1, stderr[-3000:]
+    assert not (reference_dir / ".accel_ds_fix-converting.ckpt").exists()
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    # loaded again: the copy is reused
+    again, stderr = train(tmp_path, "again", "zero2", "--resume", ckpt, "--first-step", "3", "--steps", "1")
+    assert again["losses"] == resumed["losses"][:1]
+    assert len(said(stderr, f"format in {copy} (made before, the original unchanged)")) == 1, stderr[-3000:]
+
+    # Another optimizer than Adam: refused, naming it, before any step or load.
+    _, stderr = train(tmp_path, "sgd-on", "zero2", "--sgd", "--resume", ckpt, "--first-step", "3", "--steps", "1",
+                      check=False)
+    assert (f"accel_ds_fix: cannot load {ckpt} under DeepSpeed: this run's DeepSpeed engine steps another optimizer "
+            "than Adam (its optimizer is torch.optim.sgd.SGD, whose states are not Adam's). Nothing was loaded. Use "
+            "torch.optim.AdamW (or Adam) as the run that saved it did.") in stderr, stderr[-3000:]
+    ds_ckpt = tmp_path / "ds-ckpt"
+    train(tmp_path, "ds", "zero2", "--steps", "1", "--save", ds_ckpt, "--save-at", "1")
+    _, stderr = train(tmp_path, "sgd-off", "none", "--sgd", "--resume", ds_ckpt, "--first-step", "1", "--steps", "1",
+                      check=False)
+    assert (f"accel_ds_fix: cannot load {ds_ckpt} without DeepSpeed: the checkpoint holds Adam's states (exp_avg, "
+            "exp_avg_sq, step) and its optimizer is torch.optim.sgd.SGD, whose states are not Adam's. Nothing was "
+            "loaded.") in stderr, stderr[-3000:]
+    assert not (tmp_path / ".accel_ds_fix-universal.ds-ckpt").exists()  # refused before converting
