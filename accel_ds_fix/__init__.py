@@ -10,7 +10,7 @@ The layout, from the ground up (docs/how-it-works.md draws it); each folder's ``
 - the ground: errors, notices, versions, units, lookup (the one record the fix keeps on each engine, Accelerator
   and ZeRO-3 optimizer, and where an Accelerator keeps what the fix needs) and deepspeed_config (the one reader of
   a DeepSpeed config). May use: the ground.
-- processes/, launch/, ops/; weights/, nvme/; memory/, zero3/; merge/; checkpoints/; cli/.
+- processes/, launch/, ops/, streaming/; weights/, nvme/; memory/, zero3/; merge/; checkpoints/; cli/.
 - the face: this file, __main__, pth_file and instrumentation (the wrappers' table, named by strings and imported
   when their targets are). May use: every part.
 """

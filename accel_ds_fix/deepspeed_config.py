@@ -13,9 +13,14 @@ import numbers
 from .errors import ConfigError
 
 # The package's own section: the NVMe tier's host-memory budget for sub groups kept off the disk
-# (nvme/sub_groups_in_ram.py).
+# (nvme/sub_groups_in_ram.py), and the streaming tier's keys (streaming/).
 SECTION, KEY = "accel_ds_fix", "nvme_optimizer_ram_gib"
+STREAM, ON_CARD, RESERVE = "stream_frozen_weights", "frozen_on_card_gib", "card_reserve_gib"
+_KEYS = (KEY, STREAM, ON_CARD, RESERVE)
 GIB = 1024**3
+# The streaming tier's room for activations and the step's temporaries where the config gives none ("auto"
+# keeps this much of the card free of frozen weights).
+DEFAULT_CARD_RESERVE_GIB = 3.0
 
 
 def section(config, *path):
@@ -56,26 +61,69 @@ def fp16_enabled(config):
     return section(config, "fp16").get("enabled") is True
 
 
-def budget_bytes(config):
-    """The host-memory budget ``config`` gives kept sub groups, in bytes; ConfigError for a value that is not
-    one (said before anything is allocated: prepare() checks the config first)."""
+def _ours(config):
+    """The package's section, checked: ConfigError for a key it does not take (said before anything is allocated:
+    prepare() checks the config first)."""
     ours = config.get(SECTION)
     if ours is None:
-        return 0
-    if not isinstance(ours, dict) or set(ours) - {KEY}:
+        return {}
+    if not isinstance(ours, dict) or set(ours) - set(_KEYS):
         raise ConfigError(
-            f"accel_ds_fix: the DeepSpeed config's {SECTION!r} section is {ours!r}; it takes one key, {KEY!r} "
-            f"(GiB of host memory for optimizer sub groups kept off the NVMe disk, 0 for none), e.g. "
-            f'"{SECTION}": {{"{KEY}": 1.5}}. Nothing was allocated.'
+            f"accel_ds_fix: the DeepSpeed config's {SECTION!r} section is {ours!r}; it takes {', '.join(map(repr, _KEYS))} "
+            f"(GiB of host memory for optimizer sub groups kept off the NVMe disk; the streaming tier's switch, GiB "
+            f"of frozen weights kept on the card and GiB kept free for activations), e.g. "
+            f'"{SECTION}": {{"{KEY}": 1.5}} or {{"{STREAM}": true, "{ON_CARD}": "auto"}}. Nothing was allocated.'
         )
-    value = ours.get(KEY, 0)
+    return ours
+
+
+def _gib_value(ours, key, default, what, auto=False):
+    value = ours.get(key, default)
+    also = ' or "auto"' if auto else ""
+    if auto and value == "auto":
+        return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
         raise ConfigError(
-            f"accel_ds_fix: {SECTION}.{KEY} in the DeepSpeed config is {value!r}; it must be a number of GiB, 0 or "
-            f"more (GiB of host memory for optimizer sub groups kept off the NVMe disk), e.g. 1.5. Nothing was "
-            f"allocated."
+            f"accel_ds_fix: {SECTION}.{key} in the DeepSpeed config is {value!r}; it must be a number of GiB, 0 or "
+            f"more{also} ({what}), e.g. 1.5. Nothing was allocated."
         )
     return int(value * GIB)
+
+
+def budget_bytes(config):
+    """The host-memory budget ``config`` gives kept sub groups, in bytes; ConfigError for a value that is not
+    one."""
+    return _gib_value(_ours(config), KEY, 0, "GiB of host memory for optimizer sub groups kept off the NVMe disk")
+
+
+@dataclasses.dataclass(frozen=True)
+class Streaming:
+    """The streaming tier's settings: frozen weights beyond ``on_card`` bytes stay in pinned host memory and are
+    copied to the card ahead of each use (streaming/). ``on_card`` None: as much as the card leaves free beside
+    ``reserve`` bytes for activations."""
+
+    enabled: bool = False
+    on_card: int = None
+    reserve: int = int(DEFAULT_CARD_RESERVE_GIB * GIB)
+
+
+def streaming(config):
+    """The config's streaming settings; ConfigError for a value that is not one, or for streaming under ZeRO-3
+    (whose parameter offload already moves every weight itself)."""
+    ours = _ours(config)
+    enabled = ours.get(STREAM, False)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"accel_ds_fix: {SECTION}.{STREAM} in the DeepSpeed config is {enabled!r}; it is true or "
+                          f"false. Nothing was allocated.")
+    if enabled and zero_stage(config) == 3:
+        raise ConfigError(
+            f"accel_ds_fix: {SECTION}.{STREAM} is set in a ZeRO-3 config. ZeRO-3 partitions and moves every weight "
+            f"itself; streaming frozen weights goes with ZeRO stage 0, 1 or 2 (configs/accelerate_zero2_stream.yaml). "
+            f"Nothing was allocated.")
+    on_card = _gib_value(ours, ON_CARD, "auto", "GiB of frozen weights kept on the card, the rest streamed; "
+                         "left out: as much as the card leaves", auto=True)
+    reserve = _gib_value(ours, RESERVE, DEFAULT_CARD_RESERVE_GIB, "GiB of the card kept free for activations")
+    return Streaming(enabled, on_card, reserve)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +146,8 @@ class Settings:
     nvme_ram: int = 0  # bytes of host memory for sub groups kept off the disk (nvme/sub_groups_in_ram.py)
     grad_accum_bytes: int = 4
     world_size: int = 1
+    stream: bool = False  # frozen weights beyond frozen_on_card stream from pinned host memory (streaming/)
+    frozen_on_card: int = None  # bytes of frozen weights kept on the card; None: as much as the card leaves
 
     @classmethod
     def from_config(cls, config, mixed_precision="no", world_size=1, hidden_size=None):
@@ -135,4 +185,6 @@ class Settings:
             nvme_ram=budget_bytes(config) if offload_device(config, "offload_optimizer") == "nvme" else 0,
             grad_accum_bytes=2 if accum in ("fp16", "bf16") else (2 if (low_master and half == 2) else 4),
             world_size=world_size,
+            stream=streaming(config).enabled,
+            frozen_on_card=streaming(config).on_card,
         )

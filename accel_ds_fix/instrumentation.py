@@ -47,8 +47,10 @@ PATCHES = {
                                             "zero3.unprepared.watch_loaded"),
     },
     # ZeRO-3: a diffusers/transformers model's .to(card) before prepare() is held, to be partitioned from host memory
+    # and, under the streaming tier, a cast or move after prepare() of a model whose frozen weights stream ends it
     "torch.nn.modules.module": {
         "Module.to": "zero3.held_moves.hold_back",
+        "Module._apply": "streaming.hooks.end_streaming_on_change",
     },
     # DeepSpeed's CPU ops ask py-cpuinfo three times a launch, each a subprocess: once is enough
     "cpuinfo": {
@@ -70,6 +72,9 @@ PATCHES = {
     },
     "deepspeed.runtime.engine": {
         "DeepSpeedEngine._configure_zero_optimizer": "nvme.sub_groups_in_ram.while_building",
+        # streaming: a checkpoint's frozen weights from their host copies
+        "DeepSpeedEngine._get_param_fragment_func": "streaming.hooks.host_copy_in_checkpoint",
+        "DeepSpeedEngine.load_module_state_dict": "streaming.hooks.load_into_host_copies",
     },
     # ZeRO-3 NVMe optimizer offload, pipelined: a sub group's host tensors released once its write is submitted
     "deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper": {

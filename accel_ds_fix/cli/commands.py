@@ -156,6 +156,9 @@ def _plan_parser(sub):
     p.add_argument("--steps", type=_positive_int,
                    help="optimizer steps of the run (kohya's --max_train_steps): hours and bytes written to the SSD "
                         "for the NVMe tier")
+    p.add_argument("--h2d-gbps", type=float, default=advice.DEFAULT_H2D_GBPS,
+                   help="the card's copy bandwidth from pinned host memory, GB/s, for the zero2-stream tier's step "
+                        f"(default {advice.DEFAULT_H2D_GBPS:g}: PCIe 4.0 x16; python bench/h2d_bandwidth.py measures yours)")
     p.add_argument("--compute-seconds", type=float, default=disk_speed.DEFAULT_COMPUTE_SECONDS,
                    help="seconds of a training step outside the disk (forward, backward, CPU Adam; default "
                         f"{disk_speed.DEFAULT_COMPUTE_SECONDS}: SD1.5 at 512 px on a datacenter GPU with a 16-core host; a "
@@ -193,11 +196,13 @@ def _plan(args):
     nvme_path = args.nvme_path or tiers.DEFAULT_NVME_PATH
     # DeepSpeed, imported for the NVMe tier's checks, logs to stdout: keep stdout for the plan (and its JSON).
     with contextlib.redirect_stdout(sys.stderr):
-        rows, recommended = advice.plan(work, machine, args.mixed_precision, args.num_processes, nvme_path)
+        rows, recommended = advice.plan(work, machine, args.mixed_precision, args.num_processes, nvme_path,
+                                        h2d_gbps=args.h2d_gbps)
         timing = _nvme_timing(args, work, rows) if args.nvme_path else None
     chosen = args.tier or recommended
-    ram_gib = next((r["nvme_optimizer_ram_gib"] for r in rows if r["tier"] == chosen), None)
-    written = _write(chosen, args.write, nvme_path, ram_gib) if args.write and chosen else None
+    row = next((r for r in rows if r["tier"] == chosen), {})
+    written = (_write(chosen, args.write, nvme_path, row.get("nvme_optimizer_ram_gib"), row.get("frozen_on_card_gib"))
+               if args.write and chosen else None)
     if args.json:
         print(json.dumps({"params": params, "trainable": trainable, "source": source,
                           "gpu_gib": round(machine.gpu / GIB, 2), "host_gib": round(machine.host / GIB, 2),
@@ -221,7 +226,8 @@ def _plan(args):
 
 def _print_grid(described, work, args):
     """`plan --grid`: the tier for each card and RAM size of the grid, GPU, host and disk predicted."""
-    cells = advice.grid(work, args.mixed_precision, args.num_processes, args.nvme_path or tiers.DEFAULT_NVME_PATH)
+    cells = advice.grid(work, args.mixed_precision, args.num_processes, args.nvme_path or tiers.DEFAULT_NVME_PATH,
+                        args.h2d_gbps)
     if args.json:
         print(json.dumps({"params": work.params, "trainable": work.trainable, "source": described.source,
                           "frozen_on_gpu_gib": round(work.frozen_on_gpu / GIB, 2), "cells": cells}, indent=1))
@@ -249,6 +255,8 @@ def _print_grid(described, work, args):
                 args.mixed_precision, args.num_processes)
             t = advice.nvme_step_times(work, disk, 0.0, settings=settings, accumulations=(1,))[0]
             seconds = f"{t['disk_seconds']:.0f} + compute"
+        elif row["copy_seconds_per_step"]:
+            seconds = f"- (copies {row['copy_seconds_per_step']:.1f} s a step)"
         else:
             seconds = "-"
         print(head + f"{row['tier']:<20}{row['gpu_reserved_gib']:>5.1f} GiB{row['host_gib']:>5.1f} GiB"
@@ -273,9 +281,10 @@ def _grid_disk(args):
     return disk_speed.ASSUMED_NVME
 
 
-def _write(tier_name, folder, nvme_path, nvme_ram_gib=None):
+def _write(tier_name, folder, nvme_path, nvme_ram_gib=None, frozen_on_card_gib=None):
     try:
-        return tiers.write(tiers.BY_NAME[tier_name], folder, nvme_path=nvme_path, nvme_ram_gib=nvme_ram_gib)
+        return tiers.write(tiers.BY_NAME[tier_name], folder, nvme_path=nvme_path, nvme_ram_gib=nvme_ram_gib,
+                           frozen_on_card_gib=frozen_on_card_gib)
     except OSError as exc:
         raise ValueError(f"cannot write the config into {folder}: {exc.strerror}; give a folder you can write "
                          "(it is made where missing)") from exc

@@ -104,13 +104,34 @@ def _can_run_here(config, prediction, checkpoint, world_size):
     return cannot + errors, notes
 
 
-def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_NVME_PATH, here=True):
+# The card's host-to-card copy bandwidth from pinned memory where `plan --h2d-gbps` gives none: a PCIe 4.0 x16 slot
+# in practice (bench/h2d_bandwidth.py measures a machine's: 53 GB/s on an H100 host, PCIe 5.0).
+DEFAULT_H2D_GBPS = 20.0
+
+
+def _frozen_on_card(work, settings, machine):
+    """The streaming tier: GiB of frozen weights the card keeps beside everything else (in quarters of a GiB),
+    all of them where they fit."""
+    least = memory_model.predict(work, dataclasses.replace(settings, frozen_on_card=0), "cuda")
+    room = max(0, machine.gpu_usable - least.gpu_reserved)
+    frozen = settings.half_bytes * (work.params - work.trainable) + work.frozen_on_gpu
+    return min(room, frozen) // (GIB // 4) / 4
+
+
+def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_NVME_PATH, here=True,
+         h2d_gbps=DEFAULT_H2D_GBPS):
     """One row per tier, fastest first, and the name of the first that fits and can run here (or None).
-    ``here``: False for a machine on paper (the grid): this machine's libaio and disk are not asked."""
+    ``here``: False for a machine on paper (the grid): this machine's libaio and disk are not asked.
+    ``h2d_gbps``: the card's copy bandwidth from pinned host memory, for the streaming tier's step."""
     rows = []
     for tier in TIERS:
         config = tier.deepspeed_config(nvme_path)
         settings = memory_model.Settings.from_config(config, mixed_precision, world_size)
+        on_card_gib = None
+        if settings.stream:
+            on_card_gib = _frozen_on_card(work, settings, machine)
+            config = tier.deepspeed_config(nvme_path, frozen_on_card_gib=on_card_gib)
+            settings = dataclasses.replace(settings, frozen_on_card=int(on_card_gib * GIB))
         p = memory_model.predict(work, settings, "cuda")
         ram_gib = settings.nvme_ram / GIB if settings.nvme_ram else None
         if ram_gib and machine.host_usable and p.host > machine.host_usable:
@@ -125,6 +146,13 @@ def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_
         fits_host = bool(machine.host_usable) and max(p.host, p.host_resume) <= machine.host_usable
         checkpoint = memory_model.checkpoint_bytes(work, settings)
         cannot, notes = _can_run_here(config, p, checkpoint, world_size) if here else ([], [])
+        stream = memory_model.stream_split(work, settings) if settings.stream else None
+        if stream is not None and stream.streamed:
+            notes = notes + [
+                f"streams {stream.streamed / GIB:.1f} GiB of frozen weights from pinned host memory, keeps "
+                f"{stream.kept / GIB:.1f} GiB on the card: {stream.per_step / GIB:.1f} GiB cross each step (the "
+                f"prepared models' twice, for the forward and the backward), {stream.per_step / (h2d_gbps * 1e9):.2f} s "
+                f"at {h2d_gbps:g} GB/s: a step takes at least that, and at least its computation"]
         rows.append({
             "tier": tier.name,
             "title": tier.title,
@@ -135,6 +163,10 @@ def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_
             "checkpoint_gib": round(checkpoint / GIB, 2),
             "nvme_optimizer_ram_gib": ram_gib,
             "trained_in_ram": memory_model.kept_in_ram(work, settings)[0] * world_size,
+            "frozen_on_card_gib": on_card_gib,
+            "streamed_gib": round(stream.streamed / GIB, 2) if stream else 0,
+            "streamed_per_step_gib": round(stream.per_step / GIB, 2) if stream else 0,
+            "copy_seconds_per_step": round(stream.per_step / (h2d_gbps * 1e9), 2) if stream else 0,
             "fits_gpu": fits_gpu,
             "fits_host": fits_host,
             "fits_host_training": bool(machine.host_usable) and p.host <= machine.host_usable,
@@ -198,6 +230,7 @@ def describe_model(path, train_text_encoder=True, lora_rank=0, mixed_precision="
     work = memory_model.Workload(params=c.params, trainable=c.trainable, largest_trainable=c.largest_trainable,
                                  largest_weight=c.largest_weight, weight_bytes=c.weight_bytes, frozen_on_gpu=c.frozen_on_gpu,
                                  moved_before_prepare=c.moved_before_prepare, loaded_bytes=c.loaded_bytes,
+                                 largest_block=c.largest_block,
                                  activations=family.activations if activations is None else activations)
     how = f"LoRA rank {lora_rank}" if lora_rank else "full fine-tune"
     encoders = "with its text encoder(s)" if train_text_encoder else "text encoders frozen"
@@ -218,14 +251,14 @@ GRID_CARDS_GB = (8, 12, 16, 24)
 GRID_HOSTS_GB = (16, 32, 64)
 
 
-def grid(work, mixed_precision="bf16", world_size=1, nvme_path=DEFAULT_NVME_PATH):
+def grid(work, mixed_precision="bf16", world_size=1, nvme_path=DEFAULT_NVME_PATH, h2d_gbps=DEFAULT_H2D_GBPS):
     """For each card and RAM size of the grid (a "24 GB" card and "64 GB" of RAM hold 24 and 64 GiB, as nvidia-smi
     and free count them; less the reserves): the recommended tier's row, or None where no tier fits."""
     cells = []
     for card in GRID_CARDS_GB:
         for host in GRID_HOSTS_GB:
             machine = Machine.given(card * GIB, host * GIB)
-            rows, recommended = plan(work, machine, mixed_precision, world_size, nvme_path, here=False)
+            rows, recommended = plan(work, machine, mixed_precision, world_size, nvme_path, here=False, h2d_gbps=h2d_gbps)
             row = next((r for r in rows if r["tier"] == recommended), None)
             cells.append({"card_gb": card, "ram_gb": host, "tier": recommended, "row": row,
                           "closest": None if row else _closest(rows)})

@@ -58,6 +58,8 @@ class Workload:
     # host bytes of every model as the script loads it, before its own casts and moves (a pipeline's scripts load
     # the transformer in fp32 and T5 beside it); 0: the prepared weights at weight_bytes
     loaded_bytes: int = 0
+    # bytes of the largest block of frozen weights (a layer of a ModuleList: what streams at once); 0: unknown
+    largest_block: int = 0
 
 
 @dataclasses.dataclass
@@ -142,12 +144,21 @@ def predict(work, s, device="cuda", host_baseline=None):
         host_parts.append((what, _pinned(nbytes, device) if pinned else nbytes))
 
     if s.stage in (0, 1, 2):
-        # engine.py: module.half() (or bfloat16()) and module.to(device)
-        gpu_build.append(("half-precision weights", h * P))
+        if s.stream:
+            # streaming/: the trained weights and the frozen ones within frozen_on_card on the card, the rest in
+            # pinned host memory, two blocks on the card at a time (the one computing, the next one copied)
+            split = stream_split(work, s)
+            on_card = h * T + split.kept + split.in_flight
+            gpu_build.append(("trained weights, frozen weights kept on the card, blocks in flight", on_card))
+            gpu_train.append(("trained weights, frozen weights kept on the card, blocks in flight", on_card))
+            host("streamed frozen weights (pinned, in whole chunks: streaming/host_memory.py)", split.streamed)
+        else:
+            # engine.py: module.half() (or bfloat16()) and module.to(device)
+            gpu_build.append(("half-precision weights", h * P))
+            gpu_train.append(("half-precision weights", h * P))
         if s.stage > 0:
             # stage_1_and_2.py:505 flattens the trainable weights while the per-parameter blocks still exist
             gpu_build.append(("flat copy of the trainable weights while ZeRO flattens them", h * T))
-        gpu_train.append(("half-precision weights", h * P))
         gpu_train.append(("gradient bucket (reduce_bucket_size)", h * min(s.reduce_bucket, max(T, 1))))
         if s.offload_optimizer == "cpu":
             gpu_train.append(("staging buffer of the largest parameter", h * work.largest_trainable))
@@ -205,14 +216,15 @@ def predict(work, s, device="cuda", host_baseline=None):
                 nvme = (m + s.optimizer_state_bytes) * (T // W - kept)
     if work.activations:
         gpu_train.append(("activations", work.activations))
-    if work.frozen_on_gpu:
+    if work.frozen_on_gpu and not s.stream:  # streaming places them with the prepared models' frozen weights
         for where in (gpu_build, gpu_train):
             where.append(("frozen models the script keeps on the card (not prepared)", work.frozen_on_gpu))
 
     build, train = sum(b for _, b in gpu_build), sum(b for _, b in gpu_train)
     before = work.moved_before_prepare + work.frozen_on_gpu  # on the card before prepare() begins
-    # Under ZeRO-3 the fix holds that move back and partitions from host memory (zero3/held_moves.py)
-    if work.moved_before_prepare and s.stage < 3 and before > build:
+    # Under ZeRO-3 and streaming the fix holds that move back and places the weights from host memory
+    # (zero3/held_moves.py)
+    if work.moved_before_prepare and s.stage < 3 and not s.stream and before > build:
         gpu_build.append(("prepared models the script moves to the card before prepare() (a LoRA's frozen base)",
                           before - build))
         build = before
@@ -241,6 +253,38 @@ def predict(work, s, device="cuda", host_baseline=None):
     if nvme:
         parts.append(("master weights and optimizer states", "nvme", nvme))
     return Prediction(gpu_alloc, gpu_reserved, host_peak, nvme, parts, host_resume)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSplit:
+    """Where the streaming tier puts the frozen weights, in bytes, and what crosses to the card each step."""
+
+    kept: int  # frozen weights kept on the card
+    streamed_prepared: int  # the prepared models' frozen weights streamed: crossing for the forward and the backward
+    streamed_beside: int  # the models the script keeps beside them (T5, the VAE), streamed: crossing once a step
+    in_flight: int  # blocks on the card while streaming (the one computing and the next one copied)
+
+    @property
+    def streamed(self):
+        return self.streamed_prepared + self.streamed_beside
+
+    @property
+    def per_step(self):
+        return 2 * self.streamed_prepared + self.streamed_beside
+
+
+def stream_split(work, s):
+    """The streaming tier's split: the prepared models' frozen weights are kept on the card first (used in the
+    forward and again in the backward), then the models the script keeps beside them (used once a step), within
+    s.frozen_on_card (None: none kept, the least the card needs; `plan` sets it to what the card leaves)."""
+    prepared = s.half_bytes * (work.params - work.trainable)
+    budget = s.frozen_on_card or 0
+    kept_prepared = min(prepared, budget)
+    kept_beside = min(work.frozen_on_gpu, budget - kept_prepared)
+    streamed = prepared + work.frozen_on_gpu - kept_prepared - kept_beside
+    block = work.largest_block or s.half_bytes * work.largest_weight * 8
+    return StreamSplit(kept_prepared + kept_beside, prepared - kept_prepared, work.frozen_on_gpu - kept_beside,
+                       min(streamed, 2 * block) if streamed else 0)
 
 
 def resume_extra(work, s, device="cuda"):

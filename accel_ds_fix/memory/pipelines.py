@@ -6,6 +6,7 @@ rank r adds. Read from model_index.json and the safetensors headers; no weights 
 import dataclasses
 import json
 import os
+import re
 
 from . import model_files
 
@@ -76,6 +77,9 @@ class Counted:
     # host bytes of every component once the script has loaded them, before its own casts and moves: diffusers
     # builds its models in fp32 (the scripts pass no torch_dtype), transformers >= 5 keeps the checkpoint's dtype
     loaded_bytes: int = 0
+    # bytes of the largest layer of a ModuleList (a Flux double block, a T5 layer) among the frozen weights the
+    # streaming tier may stream: what is on the card at once per block in flight
+    largest_block: int = 0
 
     def describe(self):
         parts = ", ".join(f"{c} {n / 1e6:.0f}M" + (" (prepared)" if c in self.prepared else "")
@@ -140,5 +144,18 @@ def count(folder, family, train_text_encoder=False, lora_rank=0, mixed_precision
     moved = sum(components[c] for c in prepared) * half if lora_rank else 0
     loaded = sum(4 * components[c] if c in (family.denoiser, "vae")
                  else model_files.folder_bytes(os.path.join(folder, c)) or 4 * components[c] for c in present)
+    streamable = [c for c in prepared if lora_rank] + [c for c, _ in frozen if c in shapes]
     return Counted(family, components, prepared, params, trainable, largest, largest_weight, half if lora_rank else 4,
-                   sum(b for _, b in frozen), tuple(frozen), moved, loaded)
+                   sum(b for _, b in frozen), tuple(frozen), moved, loaded,
+                   max((_largest_block(shapes[c]) * half for c in streamable), default=0))
+
+
+def _largest_block(shapes):
+    """Elements of the largest block: the weights under one index of an outermost list ("transformer_blocks.3.",
+    "encoder.block.7.", "down_blocks.1."), as the streaming tier cuts a model (streaming/blocks.py)."""
+    blocks = {}
+    for key, shape in shapes.items():
+        match = re.match(r"^((?:[A-Za-z_]\w*\.)*?\d+)\.", key)
+        if match:
+            blocks[match.group(1)] = blocks.get(match.group(1), 0) + model_files.numel(shape)
+    return max(blocks.values(), default=0)

@@ -43,14 +43,18 @@ class Tier:
     extra: dict = dataclasses.field(default_factory=dict)
     caveat: str = ""  # what a user must know before choosing it, said by `plan`
 
-    def deepspeed_config(self, nvme_path=DEFAULT_NVME_PATH, nvme_ram_gib=None):
+    def deepspeed_config(self, nvme_path=DEFAULT_NVME_PATH, nvme_ram_gib=None, frozen_on_card_gib=None):
         """A fresh copy each call: callers may change it. ``nvme_ram_gib``: the NVMe tier's host memory for sub
-        groups kept off the disk, where not the shipped amount (`plan` lowers it to fit a machine)."""
+        groups kept off the disk, where not the shipped amount (`plan` lowers it to fit a machine);
+        ``frozen_on_card_gib``: the streaming tier's frozen weights kept on the card (as much as the card leaves,
+        as shipped)."""
         config = json.loads(json.dumps({**_COMMON, "zero_optimization": self.zero, **self.extra}))
         if offload_device(config, "offload_optimizer") == "nvme":
             config["zero_optimization"]["offload_optimizer"]["nvme_path"] = nvme_path
-        if nvme_ram_gib is not None and "accel_ds_fix" in config:
+        if nvme_ram_gib is not None and "nvme_optimizer_ram_gib" in config.get("accel_ds_fix", {}):
             config["accel_ds_fix"]["nvme_optimizer_ram_gib"] = nvme_ram_gib
+        if frozen_on_card_gib is not None and "stream_frozen_weights" in config.get("accel_ds_fix", {}):
+            config["accel_ds_fix"]["frozen_on_card_gib"] = frozen_on_card_gib
         return config
 
     @property
@@ -62,19 +66,34 @@ class Tier:
         return f"accelerate_{self.name.replace('-', '_')}.yaml"
 
 
+_ZERO2_OFFLOAD = {
+    "stage": 2,
+    "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    "contiguous_gradients": True,
+    "overlap_comm": False,
+    "reduce_scatter": True,
+    "reduce_bucket_size": 50000000,
+    "allgather_bucket_size": 50000000,
+}
+
 TIERS = [
     Tier(
         "zero2-offload",
         "ZeRO-2, optimizer on the CPU (fp32 master weights and Adam states in host memory)",
-        {
-            "stage": 2,
-            "offload_optimizer": {"device": "cpu", "pin_memory": True},
-            "contiguous_gradients": True,
-            "overlap_comm": False,
-            "reduce_scatter": True,
-            "reduce_bucket_size": 50000000,
-            "allgather_bucket_size": 50000000,
-        },
+        _ZERO2_OFFLOAD,
+    ),
+    Tier(
+        "zero2-stream",
+        "ZeRO-2, optimizer on the CPU, frozen weights beyond the card streamed from pinned host memory (a LoRA on "
+        "a base bigger than the card: Flux, SD3.5, SDXL on 8 - 24 GB cards)",
+        _ZERO2_OFFLOAD,
+        # without frozen_on_card_gib: as much as the card leaves beside card_reserve_gib for activations (`plan
+        # --write` writes the number it predicts; accelerate refuses a value "auto" it cannot fill itself)
+        {"accel_ds_fix": {"stream_frozen_weights": True, "card_reserve_gib": 3}},
+        "the frozen weights that do not fit the card cross from host memory for the forward and again for the "
+        "backward, block by block, while the card computes the block before: as fast as plain accelerate where "
+        "the card's copy bandwidth keeps up, else bound by it (`plan` predicts the step); needs gradient "
+        "checkpointing or room for one more block per layer",
     ),
     Tier(
         "zero3-offload",
@@ -154,7 +173,7 @@ def accelerate_yaml(deepspeed_config_file):
     )
 
 
-def write(tier, directory, nvme_path=DEFAULT_NVME_PATH, relative=False, nvme_ram_gib=None):
+def write(tier, directory, nvme_path=DEFAULT_NVME_PATH, relative=False, nvme_ram_gib=None, frozen_on_card_gib=None):
     """Write ``tier``'s DeepSpeed JSON and accelerate YAML into ``directory``; return both paths.
 
     The YAML names the JSON by its absolute path, so it works from any working directory (``relative``: by
@@ -163,7 +182,7 @@ def write(tier, directory, nvme_path=DEFAULT_NVME_PATH, relative=False, nvme_ram
     json_path = os.path.abspath(os.path.join(directory, tier.json_name))
     yaml_path = os.path.abspath(os.path.join(directory, tier.yaml_name))
     with open(json_path, "w", encoding="utf-8") as f:
-        json.dump(tier.deepspeed_config(nvme_path, nvme_ram_gib), f, indent=2)
+        json.dump(tier.deepspeed_config(nvme_path, nvme_ram_gib, frozen_on_card_gib), f, indent=2)
         f.write("\n")
     with open(yaml_path, "w", encoding="utf-8") as f:
         f.write(accelerate_yaml(tier.json_name if relative else json_path))

@@ -6,5 +6,5 @@ clip_grad_norm_ (clipping), spectral norm's dtype (spectral_norm_dtype), ZeRO-1/
 (gpu_block_release), and a model's weights for export (exports: unwrap_model, get_state_dict).
 
 May use: the ground, processes, launch, weights, memory (the check that prepare runs before anything is allocated),
-zero3.
+zero3, streaming.
 """

@@ -7,11 +7,12 @@ import logging
 import torch
 
 from .. import notices
-from ..deepspeed_config import section
+from ..deepspeed_config import section, streaming
 from ..launch import cpu_threads, old_accelerate
 from ..lookup import deepspeed_config, engine_record, uses_deepspeed
 from ..memory import check as memory_check
 from ..processes import deferred_save
+from ..streaming import engine_build as streaming_build
 from ..weights import full_weights
 from ..zero3 import direct_calls, dtypes, forward_alone, held_moves, host_partition, unprepared
 from . import (clipping, engine_per_optimizer, engine_setup, gpu_block_release, gradient_explanation, script_clipping,
@@ -39,6 +40,18 @@ def _say_if_half_precision_weights(plan):
         )
 
 
+def _streaming(plan, others, config, precision, instance, streams=True):
+    """The streaming tier's engine build (streaming/engine_build.py); nothing for another config."""
+    dtype = dtypes.training_dtype(config, precision)
+    trained = [p for m in plan.models for p in m.parameters() if p.requires_grad]
+    # the trained weights in the training precision, ZeRO-2's gradient bucket and its flat copy while it builds
+    engine_bytes = 3 * sum(p.numel() for p in trained) * (2 if dtype is not None else 4)
+    if not streams:
+        return streaming_build.while_engine_is_built([], [], [], {}, dtype, instance.device)
+    return streaming_build.while_engine_is_built(plan.models, plan.names, others, config, dtype, instance.device,
+                                                 engine_bytes)
+
+
 def prepare(wrapped, instance, args, kwargs):
     """Accelerator.prepare: merge 2+ models into one module before DeepSpeed sees them."""
     if not uses_deepspeed(instance):
@@ -50,6 +63,8 @@ def prepare(wrapped, instance, args, kwargs):
     args = old_accelerate.with_cpu_adam(args, config)
     plan = MergePlan(args, config, precision)
     models, stage = plan.models, plan.stage
+    streams = bool(models) and streaming(config).enabled  # ConfigError here for a section it cannot read
+    others = held_moves.hand_over(models) if streams else []
     if models and stage == 3:  # an engine is built here, on every process together
         textual_inversion.refuse(models, [type(m).__name__ for m in models], section(config, "zero_optimization"))
         held_moves.at_prepare(models)
@@ -60,6 +75,11 @@ def prepare(wrapped, instance, args, kwargs):
     if models and len(plan.optimizers) > 1:  # GAN-style: one engine per optimizer
         return engine_per_optimizer.prepare(wrapped, instance, args, kwargs, plan)
     if len(models) < 2:
+        if streams:
+            with _streaming(plan, others, config, precision, instance):
+                result = wrapped(*args, **kwargs)
+            streaming_build.name_in_engine(result[args.index(models[0])] if isinstance(result, (tuple, list)) else result)
+            return result
         if not (models and stage == 3):
             return wrapped(*args, **kwargs)
         dtype = dtypes.training_dtype(config, precision)
@@ -88,10 +108,12 @@ def prepare(wrapped, instance, args, kwargs):
     # The merged module takes the first model's place; the other models leave the call.
     first = plan.positions[0]
     inner_args = [merged if i == first else obj for i, obj in enumerate(args) if i == first or i not in plan.positions]
-    with gpu_block_release.building_engine():
+    with gpu_block_release.building_engine(), _streaming(plan, others, config, precision, instance, streams):
         result = wrapped(*inner_args, **kwargs)
     result = list(result) if isinstance(result, (tuple, list)) else [result]
     engine = result[first]
+    if streams:
+        streaming_build.name_in_engine(engine)
 
     proxies = engine_setup.adopt(engine, plan.names, plan.models)
     deferred_save.arm(instance)  # several processes: a save_state on the main process alone is saved by all

@@ -27,23 +27,27 @@ import weakref
 import torch
 
 from .. import notices
-from ..deepspeed_config import zero_stage
+from ..deepspeed_config import streaming, zero_stage
 from ..lookup import deepspeed_config, uses_deepspeed
 from ..weights.partitioned import is_partitioned
 from . import first_forward
 
 _MODEL_BASES = ("ModelMixin", "PreTrainedModel")  # diffusers' and transformers' model classes
 _armed = False
+_why = "ZeRO-3"  # or "streaming": the config that holds moves, for the notice
 _moving = False  # a held move being carried out: not held again
 _held = weakref.WeakKeyDictionary()  # model -> (device, forward pre-hook handles)
 
 
 def arm_at_init(wrapped, instance, args, kwargs):
-    """Accelerator.__init__: hold moves from here under a ZeRO-3 config."""
-    global _armed
+    """Accelerator.__init__: hold moves from here under a ZeRO-3 config, or one that streams frozen weights (whose
+    prepare() places them: streaming/engine_build.py)."""
+    global _armed, _why
     result = wrapped(*args, **kwargs)
-    if uses_deepspeed(instance) and zero_stage(deepspeed_config(instance)) == 3:
-        _armed = True
+    if uses_deepspeed(instance):
+        config = deepspeed_config(instance)
+        _armed = zero_stage(config) == 3 or streaming(config).enabled
+        _why = "ZeRO-3" if zero_stage(config) == 3 else "streaming"
     return result
 
 
@@ -64,8 +68,8 @@ def hold_back(wrapped, instance, args, kwargs):
     _report_held_device(type(instance))
     _held[instance] = (device, first_forward.watch(instance, _move_now))
     numel = sum(p.numel() for p in instance.parameters())
-    notices.say(f"ZeRO-3: {type(instance).__name__}.to({device}) before prepare() is held back: its {numel:,} weights "
-                "stay in host memory, for prepare() to partition them from there; a model that is not prepared goes "
+    notices.say(f"{_why}: {type(instance).__name__}.to({device}) before prepare() is held back: its {numel:,} weights "
+                "stay in host memory, for prepare() to place them from there; a model that is not prepared goes "
                 "to the card at prepare() or at its first use.",
                 level=logging.INFO, once_key=("zero3_held_move", type(instance).__name__))
     return instance
@@ -82,6 +86,20 @@ def at_prepare(models):
         else:
             _move_now(model)
     _armed = False
+
+
+def hand_over(models):
+    """prepare() of a streaming config: [(model, device)] of every held model not among ``models``, for the
+    streaming to place; ``models`` are the engine's. Moves after this one pass through."""
+    global _armed
+    prepared = first_forward.module_ids(models)
+    others = []
+    for model in list(_held.keys()):
+        if id(model) not in prepared:
+            others.append((model, _held[model][0]))
+        _release(model)
+    _armed = False
+    return others
 
 
 def _move_now(model):

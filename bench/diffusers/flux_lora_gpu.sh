@@ -310,6 +310,8 @@ f = lambda x: "-" if x is None else f"{x:.2f}"
 print(f"  losses {[round(x, 4) for x in r['losses']]}; s/step {[round(x, 2) for x in r['step_times']]}, "
       f"median after the first {f(r['median_step_s_after_first'])}; first backward at {f(r['first_backward_s'])} s")
 print(f"  peaks, GiB (cap {r['cap_gib']}; host VmHWM reset per phase: {r['hwm_reset']}):")
+if r.get("streaming"):
+    print(f"  streaming: {r['streaming']}")
 for name, p in r["peaks"].items():
     print(f"    {name:<9} GPU allocated {f(p.get('max_alloc'))} reserved {f(p.get('max_reserved'))}; "
           f"host VmHWM {f(p.get('hwm'))} RssAnon {f(p.get('anon_max'))}")
@@ -373,6 +375,7 @@ for run in $RUNS; do
     case $run in
         z3) train z3 "$CONFIG" 1 "$CAP" "$T_Z3" "$SCRIPT" ;;
         z3set) train z3set "${CONFIG_SET:?ZERO_SET is empty}" 1 "$CAP" "$T_Z3" "$SCRIPT" ;;
+        st) train st "$REPO/configs/accelerate_zero2_stream.yaml" 1 "$CAP" "$T_Z3" "$SCRIPT" ;;
         plain) train plain "$WORK/plain.yaml" 0 "" "$T_PLAIN" "$SCRIPT_PLAIN" ;;
         *) note "unknown run $run" ;;
     esac

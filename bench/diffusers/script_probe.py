@@ -177,7 +177,16 @@ def report():
             "losses": _state["losses"], "step_times": steps,
             "median_step_s_after_first": _median(steps[1:]) if len(steps) > 1 else _median(steps),
             "first_backward_s": round(times[0] - T0, 3) if times else None, "peaks": peaks, "phases": phases,
-            "marks": _state["marks"], "samples": _state["samples"]}
+            "marks": _state["marks"], "samples": _state["samples"], "streaming": _streaming()}
+
+
+def _streaming():
+    """The streaming tier's counters (accel_ds_fix.streaming), where it ran: blocks streamed, copies, waits."""
+    build = sys.modules.get("accel_ds_fix.streaming.engine_build")
+    if build is None:
+        return None
+    return [{"blocks": len(s.blocks), "loads": s.loads, "waited": s.waited, "copied_gib": s.bytes_copied / GIB,
+             "host_gib": getattr(s, "host_bytes", 0) / GIB, "order": len(s.order)} for s in build.streamers]
 
 
 def write(*_):

@@ -1,0 +1,106 @@
+"""The streaming tier (zero2-stream): frozen weights beyond the card's budget stream from host memory, block by
+block. On the CPU the "card" is host memory too, so what is checked here is the schedule and the math: a run with
+every frozen block streamed equals the same run with every block resident bit for bit (the same kernels on the
+same weights), with gradient checkpointing (reentrant or not) and without; it trains as plain accelerate does;
+after the first step each block's copy was started before the block needed it; a checkpoint resumes exactly; the
+frozen weights come back whole in state_dict(). The overlap of copies and computation is the GPU's (docs/gpu.md)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from accel_ds_fix import deepspeed_config
+from accel_ds_fix.errors import ConfigError
+from accel_ds_fix.memory import model as memory_model, tiers
+from accel_ds_fix.streaming import blocks
+from conftest import clean_env, free_port, remove_shm_segments, result, run
+
+RUNS = Path(__file__).resolve().parent / "stream_runs.py"
+LAYERS = 6  # stream_runs.py's blocks with frozen weights
+
+
+def stream_run(**options):
+    port = free_port()
+    try:
+        proc = run([sys.executable, str(RUNS), json.dumps(options)], env=clean_env(MASTER_PORT=str(port)))
+    finally:
+        remove_shm_segments(port)
+    return result(proc), proc.stderr
+
+
+def trained(r):
+    return [x for v in r["lora"].values() for x in v] + [x for v in r["text_encoder"] for x in v]
+
+
+@pytest.mark.parametrize("checkpointing", ["nonreentrant", "reentrant", "none"])
+def test_streamed_blocks_train_bit_for_bit_as_resident_ones(checkpointing):
+    """About 40 s. Five steps, a decaying learning rate, clipping to 1.0 by the script's clip_grad_norm_."""
+    streamed, said = stream_run(on_card=0, checkpointing=checkpointing)
+    resident, _ = stream_run(on_card=100, checkpointing=checkpointing)
+    assert streamed["losses"] == resident["losses"] and streamed["norms"] == resident["norms"]
+    assert trained(streamed) == trained(resident)
+    assert resident["counters"] == []  # 100 GiB keep every block on the card: nothing streams
+    [counters] = streamed["counters"]
+    assert counters["blocks"] == LAYERS
+    # the order of a step: each block for the forward, and for the backward (the last block of the forward is
+    # kept for the backward's first) -- 2 x 6 - 1 -- plus the first block again for the next step
+    assert counters["order"] == 2 * LAYERS
+    # the first step loads each block when needed (no order yet), the second step's first block too (without
+    # reentrant checkpointing, whose first forward keeps none); every other load was started before its block
+    # needed it: 4 steps x 12 loads with at most 1 wait
+    assert counters["waited"] <= counters["order"] + 1
+    assert counters["loads"] <= 5 * counters["order"]
+    assert streamed["frozen_unchanged"]  # state_dict() gives the frozen weights whole, unchanged
+    assert f"streaming frozen weights: {LAYERS} of {LAYERS} frozen blocks" in said
+
+
+def test_streamed_training_is_plain_accelerates_and_resumes_exactly():
+    """About 45 s. The same training without DeepSpeed (fp32: ZeRO-2's own rounding apart); a save_state and
+    load_state after step 2 into a folder that does not exist yet, resumed to step 5 as if never stopped."""
+    streamed, _ = stream_run(on_card=0)
+    plain, _ = stream_run()
+    assert max(abs(a - b) for a, b in zip(streamed["losses"], plain["losses"])) < 2e-6
+    assert max(abs(a - b) for a, b in zip(trained(streamed), trained(plain))) < 2e-6
+    assert trained(streamed) != trained(stream_run(on_card=0, steps=4)[0])  # the LoRA trains: step 5 changes it
+    resumed, _ = stream_run(on_card=0, resume_at=2)
+    assert resumed["losses"] == streamed["losses"] and trained(resumed) == trained(streamed)
+    assert resumed["frozen_unchanged"]
+
+
+@pytest.mark.quick
+def test_the_streaming_section_is_read_once_and_refused_where_it_cannot_apply():
+    config = tiers.BY_NAME["zero2-stream"].deepspeed_config()
+    s = deepspeed_config.streaming(config)
+    assert s.enabled and s.on_card is None and s.reserve == 3 * 2**30
+    assert memory_model.Settings.from_config(config, "bf16").stream
+    with pytest.raises(ConfigError, match="frozen_on_card_gib in the DeepSpeed config is 'lots'"):
+        deepspeed_config.streaming({"accel_ds_fix": {"stream_frozen_weights": True, "frozen_on_card_gib": "lots"}})
+    with pytest.raises(ConfigError, match="streaming frozen weights goes with ZeRO stage 0, 1 or 2"):
+        deepspeed_config.streaming({"zero_optimization": {"stage": 3}, "accel_ds_fix": {"stream_frozen_weights": True}})
+    with pytest.raises(ConfigError, match="it takes 'nvme_optimizer_ram_gib', 'stream_frozen_weights'"):
+        deepspeed_config.streaming({"accel_ds_fix": {"stream": True}})
+
+
+@pytest.mark.quick
+def test_blocks_are_the_children_of_the_outermost_lists_and_the_first_ones_stay_on_the_card():
+    import torch
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+            self.adapter = torch.nn.Linear(4, 1)  # trainable: never streams
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Linear(4, 4)  # outside every list: stays on the card
+    model.layers = torch.nn.ModuleList([Layer() for _ in range(3)])
+    model.requires_grad_(False)
+    for layer in model.layers:
+        layer.adapter.requires_grad_(True)
+    found = blocks.find(model, "m", lambda p: p.numel() * 2)
+    assert [b.name for b in found] == ["m.layers.0", "m.layers.1", "m.layers.2"]
+    assert all(len(b.params) == 4 and b.nbytes == 2 * 40 for b in found)  # two Linear(4, 4): weights and biases
+    resident, streamed = blocks.split(found, 170)
+    assert [b.name for b in resident] == ["m.layers.0", "m.layers.1"] and [b.name for b in streamed] == ["m.layers.2"]
