@@ -4,7 +4,17 @@ clip_grad_norm_ every step, noise drawn from the global random state, a custom o
 checkpointing), in fp32 on the CPU, real accelerate + DeepSpeed.
 
     python tests/on_off_runs.py --layout none|zero1|zero2|zero3|zero2-offload|zero3-offload --steps N
-        [--first-step K --resume DIR] [--save DIR --save-at K] [--sgd] --out FILE.json
+        [--first-step K --resume DIR] [--save DIR --save-at K (K = the first step: before any step)] [--sgd] [--precision fp32|bf16] [--width W]
+        --out FILE.json
+
+--precision bf16: accelerate's mixed_precision="bf16" on both sides (DeepSpeed's bf16 with fp32 master weights;
+plain accelerate's fp32 weights under bf16 autocast). --width: the models' width (16; 1536 makes a checkpoint whose
+conversion takes seconds, for a kill in the middle of it; the learning rate is scaled by 16/width, as an Adam step moves
+each output by about width x lr). Under a launcher of several processes (WORLD_SIZE set)
+every process trains on the same batches and steps the scheduler once a step, so that two processes train as one;
+--step-noise draws the noise from a generator of the step instead of the global random state (a checkpoint of one
+process holds no random_states_1.pkl: accelerate leaves process 1's as it was). The main process writes --out and
+--weights.
 
 Writes to --out: the losses, the learning rate of each step, the custom object's count, and (with --weights) each
 model's final weights (torch.save).
@@ -12,6 +22,7 @@ model's final weights (torch.save).
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DeepSpeedPlugin, set_seed  # noqa: E402
+import train_two_models  # noqa: E402
 from train_two_models import LATENT, TOKENS, VOCAB, TinyTextEncoder, TinyUNet, single_process_env  # noqa: E402
 
 import accel_ds_fix  # noqa: E402,F401
@@ -59,19 +71,31 @@ def main():
     p.add_argument("--save-at", type=int, default=0)
     p.add_argument("--sgd", action="store_true")
     p.add_argument("--weights")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--width", type=int, default=train_two_models.WIDTH)
+    p.add_argument("--step-noise", action="store_true")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
+    precision = "no" if args.precision == "fp32" else args.precision
+    # several processes: the scheduler steps once a step, as with one (accelerate steps it once per process otherwise)
+    once = dict(step_scheduler_with_optimizer=int(os.environ.get("WORLD_SIZE", "1")) == 1)
     if args.layout == "none":
-        accelerator = Accelerator()
+        accelerator = Accelerator(mixed_precision=precision, **once)
     else:
-        single_process_env()
+        if "RANK" in os.environ:  # under a launcher: the process group first, so that accelerate sees its size
+            from accelerate import PartialState
+
+            PartialState(backend="gloo")
+        single_process_env()  # nothing under a launcher
         plugin = DeepSpeedPlugin(gradient_clipping=1.0, **LAYOUTS[args.layout])
-        accelerator = Accelerator(deepspeed_plugin=plugin)
+        accelerator = Accelerator(deepspeed_plugin=plugin, mixed_precision=precision, **once)
+    train_two_models.WIDTH = args.width  # read by the models' __init__
     set_seed(0)
     unet, text_encoder = TinyUNet(), TinyTextEncoder()
     params = [*unet.parameters(), *text_encoder.parameters()]
-    optimizer = torch.optim.SGD(params, lr=1e-2, momentum=0.9) if args.sgd else torch.optim.AdamW(params, lr=1e-2)
+    lr = 1e-2 * min(1.0, 16 / args.width)
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=0.9) if args.sgd else torch.optim.AdamW(params, lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.3 * step))
     dataset = torch.utils.data.TensorDataset(torch.zeros(8, LATENT))  # accelerate's DeepSpeed config wants one
     dataloader = torch.utils.data.DataLoader(dataset, batch_size=2)
@@ -82,10 +106,15 @@ def main():
     if args.resume:
         accelerator.load_state(args.resume)
 
+    if args.save and args.save_at == args.first_step:  # saved as loaded (a conversion's round trip), or at the start
+        accelerator.save_state(args.save)
     losses, lrs = [], []
     for step in range(args.first_step, args.first_step + args.steps):
         ids, latents = batch(step)
-        noise = torch.randn_like(latents)  # the global random state: restored by load_state, or the losses differ
+        if args.step_noise:  # the same on every process, whichever random states a load restored
+            noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(2000 + step))
+        else:  # the global random state: restored by load_state, or the losses differ
+            noise = torch.randn_like(latents)
         with accelerator.accumulate(unet, text_encoder):
             pred = unet(latents + noise, text_encoder(ids))
             loss = torch.nn.functional.mse_loss(pred, noise)
@@ -100,11 +129,16 @@ def main():
         losses.append(loss.item())
         if args.save and step + 1 == args.save_at:
             accelerator.save_state(args.save)
-    if args.weights:
-        torch.save({name: {k: v.detach().clone() for k, v in accelerator.unwrap_model(m).state_dict().items()}
-                    for name, m in (("unet", unet), ("text_encoder", text_encoder))}, args.weights)
-    with open(args.out, "w") as f:
-        json.dump({"losses": losses, "lrs": lrs, "count": counter.count}, f)
+    if args.weights:  # every process gathers (ZeRO-3), the main one writes
+        weights = {name: {k: v.detach().float().clone() for k, v in accelerator.unwrap_model(m).state_dict().items()}
+                   for name, m in (("unet", unet), ("text_encoder", text_encoder))}
+        if accelerator.is_main_process:
+            torch.save(weights, args.weights)
+    if accelerator.is_main_process:
+        with open(args.out, "w") as f:
+            json.dump({"losses": losses, "lrs": lrs, "count": counter.count,
+                       "processes": accelerator.num_processes}, f)
+    accelerator.wait_for_everyone()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,11 @@ uninterrupted run, whose own save_state and load_state it must match."""
 
 import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -134,3 +138,129 @@ def test_plain_checkpoint_under_deepspeed_exact_leftovers_of_a_killed_conversion
             "exp_avg_sq, step) and its optimizer is torch.optim.sgd.SGD, whose states are not Adam's. Nothing was "
             "loaded.") in stderr, stderr[-3000:]
     assert not (tmp_path / ".accel_ds_fix-universal.ds-ckpt").exists()  # refused before converting
+
+
+WIDE = ["--width", "3072"]  # 9.5M parameters a model: each conversion takes about 2 s on 2 cores, long enough to kill
+
+
+def killed_while_converting(tmp_path, name, converting, layout, *args):
+    """tests/on_off_runs.py started, and SIGKILLed once its conversion has written its third parameter folder (in
+    ``converting``, or wherever it writes: the universal copy's own name); returns what ``converting`` held then."""
+    copy = converting.parent / converting.name.replace(".accel_ds_fix-converting.", ".accel_ds_fix-universal.")
+    zeros = [folder / "pytorch_model" / "zero" for folder in (converting, copy)]
+    proc = subprocess.Popen([sys.executable, RUNS, "--layout", layout, *args, "--out", tmp_path / f"{name}.json"],
+                            env=clean_env(), cwd=RUNS.parent.parent, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if any(zero.is_dir() and len(list(zero.iterdir())) >= 3 for zero in zeros):
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.01)
+    finally:
+        if proc.poll() is None and time.monotonic() >= deadline:
+            proc.kill()
+        stderr = proc.communicate()[1].decode()
+    assert proc.returncode == -signal.SIGKILL, f"the conversion ended before the kill ({proc.returncode}): {stderr[-3000:]}"
+    return sorted(p.relative_to(converting).as_posix() for p in converting.rglob("*"))
+
+
+def test_a_conversion_killed_half_way_is_made_again_in_both_directions(tmp_path):
+    """About 35 s. kill -9 of a real conversion (wide models), DeepSpeed -> plain (the universal copy being made) and
+    plain -> DeepSpeed (the converting folder being written): what it left is not taken, the next load_state makes
+    the copy anew and continues as the uninterrupted runs."""
+    ckpt, home = tmp_path / "ds-ckpt", tmp_path / "plain-ckpt"
+    ds, _ = train(tmp_path, "ds", "zero2", *WIDE, "--steps", "6", "--save", ckpt, "--save-at", "3")
+    for checkpoint, layout, args in ((ckpt, "none", ["--first-step", "3", "--steps", "3", "--save", home,
+                                                     "--save-at", "4"]),
+                                     (home, "zero2", ["--first-step", "4", "--steps", "2"])):
+        converting = tmp_path / f".accel_ds_fix-converting.{checkpoint.name}"
+        copy = tmp_path / f".accel_ds_fix-universal.{checkpoint.name}"
+        before = {p.relative_to(checkpoint).as_posix(): p.read_bytes() for p in checkpoint.rglob("*") if p.is_file()}
+        left = killed_while_converting(tmp_path, f"killed-{layout}", converting, layout, *WIDE, "--resume",
+                                       checkpoint, *args)
+        # half-done: some parameters' folders, no record; nothing under the copy's name; the checkpoint unchanged
+        assert not copy.exists(), sorted(copy.rglob("*"))  # nothing under the name of a whole copy
+        assert any(p.startswith("pytorch_model/zero/models.") for p in left), left
+        assert "accel_ds_fix-conversion.json" not in left, left
+        assert not home.exists() or checkpoint == home  # the killed plain run saved nothing
+        resumed, stderr = train(tmp_path, f"resumed-{layout}", layout, *WIDE, "--resume", checkpoint, *args)
+        assert len(said(stderr, f"{copy} (made now, the original unchanged)")) == 1, stderr[-3000:]
+        assert not converting.exists() and (copy / "accel_ds_fix-conversion.json").is_file()
+        assert {p.relative_to(checkpoint).as_posix(): p.read_bytes() for p in checkpoint.rglob("*")
+                if p.is_file()} == before
+        copied = {p.relative_to(copy).as_posix() for p in copy.rglob("*") if p.is_file()}
+        assert not any(p.startswith("pytorch_model/tmp") for p in copied)  # the converter's scratch: gone
+        assert len({p for p in copied if p.endswith("/fp32.pt")}) == 11  # every parameter of both models
+        if layout == "none":
+            off = resumed
+            # the master weights exactly (the first loss comes from them alone), the Adam states after
+            assert off["losses"][0] == ds["losses"][3] and off["lrs"] == ds["lrs"][3:] and off["count"] == 6
+            assert max(abs(a - b) for a, b in zip(off["losses"], ds["losses"][3:])) < CLOSE, (off, ds)
+        else:
+            assert resumed["lrs"] == off["lrs"][1:] and resumed["count"] == 6
+            assert max(abs(a - b) for a, b in zip(resumed["losses"], off["losses"][1:])) < CLOSE, (resumed, off)
+
+    # What a kill of plain accelerate's own save between its model files leaves (model.safetensors, no
+    # model_1.safetensors): refused, as plain accelerate's own load fails there; before, the text encoder kept the
+    # weights it was built with, "loaded by the script's load hook" where the script has none.
+    cut = tmp_path / "cut-ckpt"
+    shutil.copytree(home, cut)
+    (cut / "model_1.safetensors").unlink()
+    _, stderr = train(tmp_path, "cut", "zero2", *WIDE, "--resume", cut, "--first-step", "4", "--steps", "1",
+                      check=False)
+    assert (f"accel_ds_fix: cannot load {cut} under DeepSpeed: it holds no weights file for tinytextencoder "
+            "(model_1.safetensors or pytorch_model_1.bin) and this run registered no load hook to load it") in stderr, \
+        stderr[-3000:]
+    assert not (tmp_path / ".accel_ds_fix-universal.cut-ckpt").exists()
+
+
+def test_bf16_plain_to_deepspeed_and_back_is_bit_exact(tmp_path):
+    """About 12 s. bf16 on both sides (plain accelerate: fp32 weights under bf16 autocast; DeepSpeed: bf16 weights,
+    fp32 master weights and Adam states): plain accelerate's checkpoint of step 3, loaded under ZeRO-2 bf16 and saved
+    there unchanged, then resumed by plain accelerate, continues bit for bit as plain's uninterrupted run (both
+    conversions keep fp32 exactly). Each side's own steps differ by up to 4e-3 in these losses (the forward rounds
+    otherwise), so a run through DeepSpeed's steps is only close."""
+    ckpt, hop = tmp_path / "plain-ckpt", tmp_path / "ds-ckpt"
+    plain, _ = train(tmp_path, "plain", "none", "--precision", "bf16", "--steps", "6", "--save", ckpt, "--save-at",
+                     "3", "--weights", tmp_path / "plain.pt")
+    _, stderr = train(tmp_path, "hop", "zero2", "--precision", "bf16", "--resume", ckpt, "--first-step", "3",
+                      "--steps", "0", "--save", hop, "--save-at", "3")
+    assert len(said(stderr, "this run is ZeRO-2, 1 process, bf16: converted it")) == 1, stderr[-3000:]
+    assert json.loads((hop / "accel_ds_fix.json").read_text())["layout"]["precision"] == "bf16"
+    back, stderr = train(tmp_path, "back", "none", "--precision", "bf16", "--resume", hop, "--first-step", "3",
+                         "--steps", "3", "--weights", tmp_path / "back.pt")
+    assert len(said(stderr, "(ZeRO-2, 1 process, bf16); this run has no DeepSpeed: converted it for plain accelerate "
+                            "(tinyunet, tinytextencoder: the fp32 master weights of what trains,")) == 1, stderr[-3000:]
+    assert back["losses"] == plain["losses"][3:] and back["lrs"] == plain["lrs"][3:] and back["count"] == 6
+    assert furthest(tmp_path / "back.pt", tmp_path / "plain.pt") == 0
+
+
+def test_two_process_zero2_checkpoint_resumed_by_one_plain_process_and_back_under_two_process_zero3(tmp_path):
+    """About 20 s. `accelerate launch --num_processes 2` (gloo) on the CPU: a 2-process ZeRO-2 checkpoint (two
+    optimizer shards) resumed by one plain process continues as the 2-process run; plain accelerate's checkpoint
+    of that resumed under 2-process ZeRO-3 continues as plain accelerate. Every process trains on the same batches
+    and noise of the step (--step-noise: the plain checkpoint holds random_states_0.pkl alone)."""
+    ckpt, home = tmp_path / "ds-ckpt", tmp_path / "plain-ckpt"
+
+    def launched(name, stage, *args):
+        out = tmp_path / f"{name}.json"
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
+                  "--num_machines", "1", "--mixed_precision", "no", "--zero_stage", stage, "--offload_optimizer_device",
+                  "none", "--offload_param_device", "none", "--gradient_accumulation_steps", "1",
+                  "--gradient_clipping", "1.0"]
+        proc = run([*launch, RUNS, "--layout", f"zero{stage}", "--step-noise", *args, "--out", out], env=clean_env())
+        return json.loads(out.read_text()), proc.stderr
+
+    ds, _ = launched("ds", "2", "--steps", "6", "--save", ckpt, "--save-at", "3")
+    assert ds["processes"] == 2 and len(list((ckpt / "pytorch_model").glob("zero_pp_rank_*_optim_states.pt"))) == 2
+    off, stderr = train(tmp_path, "off", "none", "--step-noise", "--resume", ckpt, "--first-step", "3", "--steps", "3",
+                        "--save", home, "--save-at", "4")
+    assert len(said(stderr, f"{ckpt} was saved under DeepSpeed (ZeRO-2, 2 processes, fp32); this run has no "
+                            "DeepSpeed: converted it")) == 1, stderr[-3000:]
+    assert off["losses"] == ds["losses"][3:] and off["lrs"] == ds["lrs"][3:] and off["count"] == 6
+    back, stderr = launched("back", "3", "--resume", home, "--first-step", "4", "--steps", "2")
+    assert len(said(stderr, f"{home} was saved by plain accelerate; this run is ZeRO-3, 2 processes, fp32: "
+                            "converted it")) == 1, stderr[-3000:]
+    assert back["processes"] == 2 and back["lrs"] == off["lrs"][1:] and back["count"] == 6
+    assert max(abs(a - b) for a, b in zip(back["losses"], off["losses"][1:])) < CLOSE, (back, off)

@@ -225,6 +225,13 @@ def load(wrapped, accelerator, engines, directory, args, kwargs, hooks_already_r
     weights, saved, order = _read(accelerator, engine, directory)
     base = param_groups._base(engine)
     hooks = list(getattr(accelerator, "_load_model_state_pre_hook", {}).values())
+    absent = [name for name, state in zip(engine.module.models, weights) if state is None]
+    if absent and not hooks:  # plain accelerate's own load fails there too; a save killed between its model files
+        files = "; ".join(f"model{e}.safetensors or pytorch_model{e}.bin"
+                          for e in (f"_{i}" if i else "" for i, state in enumerate(weights) if state is None))
+        _refuse(directory, f"it holds no weights file for {', '.join(absent)} ({files}) "
+                           "and this run registered no load hook to load it (a save cut off before it was written?)",
+                "Resume from a whole checkpoint, or register the load hook that loads what the save hook wrote.")
     if hooks:  # with the models, before the weights are loaded, as accelerate does
         with models_built_whole():
             load_hooks.run(hooks, list(engine_record(engine).proxies.values()), directory)
