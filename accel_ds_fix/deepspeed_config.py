@@ -148,6 +148,7 @@ class Settings:
     world_size: int = 1
     stream: bool = False  # frozen weights beyond frozen_on_card stream from pinned host memory (streaming/)
     frozen_on_card: int = None  # bytes of frozen weights kept on the card; None: as much as the card leaves
+    card_reserve: int = 0  # bytes the streaming tier keeps free of frozen weights for activations and temporaries
 
     @classmethod
     def from_config(cls, config, mixed_precision="no", world_size=1, hidden_size=None):
@@ -187,4 +188,5 @@ class Settings:
             world_size=world_size,
             stream=streaming(config).enabled,
             frozen_on_card=streaming(config).on_card,
+            card_reserve=streaming(config).reserve,
         )

@@ -111,11 +111,15 @@ DEFAULT_H2D_GBPS = 20.0
 
 def _frozen_on_card(work, settings, machine):
     """The streaming tier: GiB of frozen weights the card keeps beside everything else (in quarters of a GiB),
-    all of them where they fit."""
+    all of them where they fit; as the run's own choice without a number (streaming/engine_build.py), at least
+    card_reserve_gib stays free for activations and the step's temporaries (the family's activation estimate is
+    at its usual resolution: 1024 px needs more)."""
     least = memory_model.predict(work, dataclasses.replace(settings, frozen_on_card=0), "cuda")
-    room = max(0, machine.gpu_usable - least.gpu_reserved)
+    room = max(0, machine.gpu_usable - least.gpu_reserved - max(0, settings.card_reserve - work.activations))
     frozen = settings.half_bytes * (work.params - work.trainable) + work.frozen_on_gpu
-    return min(room, frozen) // (GIB // 4) / 4
+    if room >= frozen:  # all of them: rounded up, so that none streams for a rounding
+        return -(-frozen // (GIB // 4)) / 4
+    return room // (GIB // 4) / 4
 
 
 def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_NVME_PATH, here=True,
@@ -148,11 +152,13 @@ def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_
         cannot, notes = _can_run_here(config, p, checkpoint, world_size) if here else ([], [])
         stream = memory_model.stream_split(work, settings) if settings.stream else None
         if stream is not None and stream.streamed:
+            copies = stream.per_step / (h2d_gbps * 1e9)
             notes = notes + [
                 f"streams {stream.streamed / GIB:.1f} GiB of frozen weights from pinned host memory, keeps "
                 f"{stream.kept / GIB:.1f} GiB on the card: {stream.per_step / GIB:.1f} GiB cross each step (the "
-                f"prepared models' twice, for the forward and the backward), {stream.per_step / (h2d_gbps * 1e9):.2f} s "
-                f"at {h2d_gbps:g} GB/s: a step takes at least that, and at least its computation"]
+                f"prepared models' twice, for the forward and the backward), {copies:.2f} s at {h2d_gbps:g} GB/s "
+                f"(--h2d-gbps): a step takes between the longer of its computation and {copies:.2f} s, and their sum "
+                f"(docs/gpu.md run 17: Flux.1-dev's LoRA in 16 GiB, 1.26 - 2.0x the uncapped card's step)"]
         rows.append({
             "tier": tier.name,
             "title": tier.title,

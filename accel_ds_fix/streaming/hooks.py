@@ -20,6 +20,7 @@ from .. import notices
 _by_module = weakref.WeakKeyDictionary()  # block module -> (streamer, block)
 _queued = set()  # graph tasks whose end releases the loaded blocks
 _hosts = {}  # id(streamed parameter) -> its host copy
+_applying = False  # inside Module._apply's recursion
 
 
 def _in_backward():
@@ -159,9 +160,18 @@ def _changes(fn, p):
 def end_streaming_on_change(wrapped, instance, args, kwargs):
     """torch.nn.Module._apply (.to(), .cuda(), .float(), ...): a change of the streamed weights' device or dtype
     ends their streaming first; the weights are then the host copies, which the call moves or casts."""
-    if not _by_module:
+    global _applying
+    if not _by_module or _applying:  # _apply recurses into every submodule: the outermost call looks once
         return wrapped(*args, **kwargs)
-    fn = args[0] if args else kwargs.get("fn")
+    _applying = True
+    try:
+        _end_streaming_inside(instance, args[0] if args else kwargs.get("fn"))
+        return wrapped(*args, **kwargs)
+    finally:
+        _applying = False
+
+
+def _end_streaming_inside(instance, fn):
     inside = [_by_module[m] for m in instance.modules() if m in _by_module]
     if inside and fn is not None and _changes(fn, inside[0][1].params[0]):
         for streamer, block in inside:
@@ -173,4 +183,3 @@ def end_streaming_on_change(wrapped, instance, args, kwargs):
         notices.say(f"{type(instance).__name__}: a .to() or cast after prepare() changes its streamed weights' device "
                     f"or dtype; {len(inside)} blocks stop streaming and are moved as asked.",
                     level=logging.WARNING, once_key=("stream_end", type(instance).__name__))
-    return wrapped(*args, **kwargs)
