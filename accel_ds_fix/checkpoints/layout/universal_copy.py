@@ -195,7 +195,11 @@ def convert(directory, tag, digest):
     started = time.monotonic()
     for leftover in (work, final, *_orphans(directory)):
         if os.path.lexists(leftover):
-            shutil.rmtree(leftover)  # a conversion killed half-way, one of an earlier checkpoint there or one gone
+            # a conversion killed half-way, one of an earlier checkpoint there or one gone; its record goes first,
+            # so that a kill during the removal leaves nothing that reads as whole
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                os.remove(os.path.join(leftover, RECORD))
+            shutil.rmtree(leftover)
     os.makedirs(work)
     try:
         source_tag = os.path.join(directory, tag)
