@@ -3,8 +3,10 @@ last line of stdout). A LoRA-shaped training as diffusers' Flux and SD3 LoRA scr
 base whose layers sit in a ModuleList with a trainable low-rank adapter in each, a trained text encoder, and a
 frozen transformers T5 encoder the script moves to the card before prepare() and calls under no_grad each step;
 one optimizer, a decaying learning rate, clipping. Real accelerate + DeepSpeed (ZeRO-2, optimizer on the CPU),
-one process on the CPU, fp32. ``on_card``: GiB of frozen weights kept on the "card" (None: as the config
-ships, as much as the card leaves, which streams nothing without a GPU; no key "deepspeed": plain accelerate, no DeepSpeed)."""
+on the CPU (one process, or the processes of a launcher), fp32. ``on_card``: GiB of frozen weights kept on the
+"card" (None: as the config ships, as much as the card leaves, which streams nothing without a GPU); ``tier``:
+another shipped tier instead of zero2-stream; neither: plain accelerate, no DeepSpeed. ``save_at`` / ``load_from``
+with ``first_step``: a checkpoint written before that step into ``folder``, or the run begun there from one."""
 
 import json
 import os
@@ -83,9 +85,9 @@ def t5():
     return T5EncoderModel(config).eval()
 
 
-def config_for(on_card, clip):
-    config = tiers.BY_NAME["zero2-stream"].deepspeed_config()
-    if on_card is not None:
+def config_for(tier, on_card, clip):
+    config = tiers.BY_NAME[tier].deepspeed_config()
+    if tier == "zero2-stream" and on_card is not None:
         config["accel_ds_fix"]["frozen_on_card_gib"] = on_card
     config["gradient_clipping"] = clip
     config["train_micro_batch_size_per_gpu"] = 2
@@ -94,15 +96,17 @@ def config_for(on_card, clip):
 
 
 def main(options):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0", ACCELERATE_USE_DEEPSPEED="false")
+    if "WORLD_SIZE" not in os.environ:  # one process; under a launcher, its own
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"), RANK="0",
+                          WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
     steps, clip = options.get("steps", 5), options.get("clip", 1.0)
-    plain = "on_card" not in options
-    if plain:
+    if "on_card" not in options and "tier" not in options:
         acc = Accelerator()
     else:
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-        acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config_for(options["on_card"], clip)))
+        config = config_for(options.get("tier", "zero2-stream"), options.get("on_card"), clip)
+        acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
     set_seed(0)
     base, text_encoder, frozen_t5 = Base(options.get("checkpointing", "nonreentrant")), TextEncoder(), t5()
     initial = {k: v.clone() for k, v in base.state_dict().items()}
@@ -120,9 +124,15 @@ def main(options):
                for _ in range(steps)]
     base, text_encoder, optimizer, scheduler = acc.prepare(base, text_encoder, optimizer, scheduler)
     losses, norms = [], []
-    resume_at = options.get("resume_at")
+    resume_at, save_at, first = options.get("resume_at"), options.get("save_at"), options.get("first_step", 0)
     folder = options.get("folder") or tempfile.mkdtemp()
     for step, (ids, x) in enumerate(batches):
+        if step < first:
+            continue
+        if step == first and options.get("load_from"):
+            acc.load_state(options["load_from"])
+        if step == save_at:
+            acc.save_state(os.path.join(folder, "checkpoint"))
         if resume_at is not None and step == resume_at:
             acc.save_state(os.path.join(folder, "new", "checkpoint"))  # a folder that does not exist yet
             acc.load_state(os.path.join(folder, "new", "checkpoint"))
@@ -144,6 +154,8 @@ def main(options):
 
     counters = [{"blocks": len(s.blocks), "loads": s.loads, "waited": s.waited, "order": len(s.order)}
                 for s in streamers]
+    if not acc.is_main_process:
+        return
     print(json.dumps({"losses": losses, "norms": norms, "counters": counters, "frozen_unchanged": frozen_same,
                       "lora": {k: v.flatten().tolist() for k, v in lora.items()},
                       "text_encoder": [v.flatten().tolist() for v in accel_ds_fix.unwrap(text_encoder).state_dict().values()]}))

@@ -104,3 +104,41 @@ def test_blocks_are_the_children_of_the_outermost_lists_and_the_first_ones_stay_
     assert all(len(b.params) == 4 and b.nbytes == 2 * 40 for b in found)  # two Linear(4, 4): weights and biases
     resident, streamed = blocks.split(found, 170)
     assert [b.name for b in resident] == ["m.layers.0", "m.layers.1"] and [b.name for b in streamed] == ["m.layers.2"]
+
+
+def test_a_streamed_checkpoint_resumes_under_the_other_tiers_and_theirs_under_streaming(tmp_path):
+    """About 30 s. A save_state under zero2-stream (every block streamed) before step 2, loaded by the same script
+    under zero2-offload (the same ZeRO layout, nothing streamed) and under zero3-offload (another layout: the
+    universal copy); and a zero3-offload checkpoint loaded under zero2-stream. Each continues as the run that
+    saved it: the frozen weights a checkpoint holds are the host copies, whole."""
+    streamed, _ = stream_run(on_card=0, save_at=2, folder=str(tmp_path / "s"))
+    checkpoint = str(tmp_path / "s" / "checkpoint")
+    for tier in ("zero2-offload", "zero3-offload"):
+        resumed, said = stream_run(tier=tier, load_from=checkpoint, first_step=2)
+        assert max(abs(a - b) for a, b in zip(resumed["losses"], streamed["losses"][2:])) < 1e-6, (tier, said[-2000:])
+        assert len(resumed["losses"]) == 3 and resumed["frozen_unchanged"]
+    zero3, _ = stream_run(tier="zero3-offload", save_at=2, folder=str(tmp_path / "z"))
+    resumed, said = stream_run(on_card=0, load_from=str(tmp_path / "z" / "checkpoint"), first_step=2)
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], zero3["losses"][2:])) < 1e-6, said[-2000:]
+    assert resumed["counters"][0]["blocks"] == LAYERS and resumed["frozen_unchanged"]
+
+
+def test_two_processes_stream_each_their_own_copy_and_train_as_one():
+    """About 30 s. `accelerate launch --num_processes 2` (gloo) on the CPU, every process on the same batches:
+    every block streamed in each process equals every block resident bit for bit, and one process's run within
+    fp32's rounding of the gradients' average."""
+    def launched(on_card):
+        port = free_port()
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
+                  "--num_machines", "1", "--mixed_precision", "no", "--zero_stage", "2", "--main_process_port",
+                  str(port), str(RUNS), json.dumps({"on_card": on_card})]
+        try:
+            return result(run(launch, env=clean_env()))
+        finally:
+            remove_shm_segments(port)
+
+    streamed, resident = launched(0), launched(100)
+    assert streamed["losses"] == resident["losses"] and trained(streamed) == trained(resident)
+    assert streamed["counters"][0]["blocks"] == LAYERS and resident["counters"] == []
+    alone, _ = stream_run(on_card=0)
+    assert max(abs(a - b) for a, b in zip(streamed["losses"], alone["losses"])) < 1e-6

@@ -23,6 +23,7 @@ from ... import notices
 from ...deepspeed_config import offload_device, section, zero_stage
 from ...errors import CheckpointError
 from ...nvme import sub_groups_in_ram
+from ...processes import main_decides
 from .. import crash_safe, manifest
 from . import conversion_memory, universal_copy
 
@@ -122,30 +123,30 @@ def check(directory, saved, current):
     return True
 
 
+def copy_for_all(accelerator, verified, tag, for_what):
+    """The checkpoint's universal copy, made by the main process while the others wait, or reused where a whole one
+    of this checkpoint is there: ("reused", 0.0) or ("converted", seconds) on every process, an error on all of
+    them (not a hang of the others)."""
+    directory = verified.path
+    folder = universal_copy.converted_path(directory)
+
+    def convert():
+        if universal_copy.reusable(folder, verified.digest, tag):
+            return "reused", 0.0
+        conversion_memory.check(directory, tag, in_run=True)
+        return "converted", universal_copy.convert(directory, tag, verified.digest)
+
+    return main_decides.on_main_for_all(accelerator, convert, lambda exc: CheckpointError(
+        f"accel_ds_fix: converting {directory} for {for_what} failed: {type(exc).__name__}: {exc}. Nothing was "
+        "loaded; the checkpoint is unchanged."))
+
+
 def _prepared(accelerator, verified, tag, saved, current):
     """The universal copy, converted by the main process while the others wait; every process gets the same
     outcome (an error raised on all of them, not a hang)."""
     directory = verified.path
     folder = universal_copy.converted_path(directory)
-    outcome = None
-    if accelerator.is_main_process:
-        try:
-            if universal_copy.reusable(folder, verified.digest, tag):
-                outcome = ("reused", 0.0)
-            else:
-                conversion_memory.check(directory, tag, in_run=True)
-                outcome = ("converted", universal_copy.convert(directory, tag, verified.digest))
-        except Exception as exc:  # noqa: BLE001 - handed to every process below
-            outcome = ("error", exc if isinstance(exc, CheckpointError) else CheckpointError(
-                f"accel_ds_fix: converting {directory} for {describe(current)} failed: {type(exc).__name__}: {exc}. "
-                "Nothing was loaded; the checkpoint is unchanged."))
-    if accelerator.num_processes > 1:
-        box = [outcome]
-        torch.distributed.broadcast_object_list(box, src=0)
-        outcome = box[0]
-    kind, value = outcome
-    if kind == "error":
-        raise value
+    kind, value = copy_for_all(accelerator, verified, tag, describe(current))
     if not accelerator.is_main_process:
         return folder  # said once, by the process that converted
     if kind == "converted":

@@ -23,6 +23,7 @@ import torch
 from ... import notices
 from ...errors import CheckpointError
 from ...lookup import engine_record
+from ...processes import main_decides
 from ...zero3.loading import models_built_whole
 from .. import cpu_adam_steps, load_hooks, param_groups
 from ..layout import change as layout_change
@@ -238,24 +239,17 @@ def load(wrapped, accelerator, engines, directory, args, kwargs, hooks_already_r
     tensors, steps = _tensors(engine, weights, saved, order)
     groups = _groups(saved, base)
     step = max(steps, default=0.0)
-    outcome = None
-    if accelerator.is_main_process:
-        try:
-            digest = _digest(directory)
-            folder = universal_copy.converted_path(directory)
-            outcome = ("reused", folder) if universal_copy.reusable(folder, digest, tag) else (
-                "converted", _write_universal(directory, tag, tensors, groups, step, digest))
-        except Exception as exc:  # noqa: BLE001 - handed to every process below
-            outcome = ("error", CheckpointError(f"accel_ds_fix: converting {directory} for DeepSpeed failed: "
-                                                f"{type(exc).__name__}: {exc}. Nothing was loaded; the checkpoint is "
-                                                "unchanged."))
-    if accelerator.num_processes > 1:
-        box = [outcome]
-        torch.distributed.broadcast_object_list(box, src=0)
-        outcome = box[0]
-    kind, folder = outcome
-    if kind == "error":
-        raise folder
+
+    def convert():
+        digest = _digest(directory)
+        folder = universal_copy.converted_path(directory)
+        if universal_copy.reusable(folder, digest, tag):
+            return "reused", folder
+        return "converted", _write_universal(directory, tag, tensors, groups, step, digest)
+
+    kind, folder = main_decides.on_main_for_all(accelerator, convert, lambda exc: CheckpointError(
+        f"accel_ds_fix: converting {directory} for DeepSpeed failed: {type(exc).__name__}: {exc}. Nothing was "
+        "loaded; the checkpoint is unchanged."))
     _copy_untrained(engine, weights, {id(p) for group in order for p in group})
     rest = {k: v for k, v in kwargs.items() if k != "input_dir"}
     with layout_change._universal_load(engine, folder), hooks_already_run(), param_groups.kept_across_load(engines):

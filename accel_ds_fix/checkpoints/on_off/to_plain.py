@@ -23,7 +23,7 @@ from ...errors import CheckpointError
 from ...merge.naming import model_names
 from .. import crash_safe, manifest
 from ..layout import change as layout_change
-from ..layout import conversion_memory, universal_copy
+from ..layout import universal_copy
 from . import plain_files
 
 TAG = "pytorch_model"  # accelerate's DeepSpeed checkpoint of the first engine
@@ -70,27 +70,8 @@ def _check(accelerator, verified, directory):
 def _universal_copy(accelerator, verified):
     """The checkpoint's universal copy, made by the main process while the others wait (an error on all of them, not
     a hang); returns (folder, seconds taken or None where it was made before)."""
-    directory, folder = verified.path, universal_copy.converted_path(verified.path)
-    outcome = None
-    if accelerator.is_main_process:
-        try:
-            if universal_copy.reusable(folder, verified.digest, TAG):
-                outcome = ("reused", None)
-            else:
-                conversion_memory.check(directory, TAG, in_run=True)
-                outcome = ("converted", universal_copy.convert(directory, TAG, verified.digest))
-        except Exception as exc:  # noqa: BLE001 - handed to every process below
-            outcome = ("error", exc if isinstance(exc, CheckpointError) else CheckpointError(
-                f"accel_ds_fix: converting {directory} for a run without DeepSpeed failed: {type(exc).__name__}: "
-                f"{exc}. Nothing was loaded; the checkpoint is unchanged."))
-    if accelerator.num_processes > 1:
-        box = [outcome]
-        torch.distributed.broadcast_object_list(box, src=0)
-        outcome = box[0]
-    kind, value = outcome
-    if kind == "error":
-        raise value
-    return folder, value
+    kind, seconds = layout_change.copy_for_all(accelerator, verified, TAG, "a run without DeepSpeed")
+    return universal_copy.converted_path(verified.path), seconds if kind == "converted" else None
 
 
 def _read_state(path):
