@@ -16,6 +16,7 @@ from ..deepspeed_config import section
 from ..memory import advice, model as memory_model, tiers
 from ..nvme import disk_speed, prerequisites as nvme_prerequisites
 from ..ops import builds, libaio
+from ..streaming import copy_speed
 from . import report
 
 GIB = memory_model.GIB
@@ -156,16 +157,29 @@ def _plan_parser(sub):
     p.add_argument("--steps", type=_positive_int,
                    help="optimizer steps of the run (kohya's --max_train_steps): hours and bytes written to the SSD "
                         "for the NVMe tier")
-    p.add_argument("--h2d-gbps", type=float, default=advice.DEFAULT_H2D_GBPS,
+    p.add_argument("--h2d-gbps", type=float,
                    help="the card's copy bandwidth from pinned host memory, GB/s, for the zero2-stream tier's step "
-                        f"(default {advice.DEFAULT_H2D_GBPS:g}: PCIe 4.0 x16; python bench/h2d_bandwidth.py measures yours)")
+                        "(default: measured on this machine's card where --gpu-memory is not given, else "
+                        f"{advice.DEFAULT_H2D_GBPS:g}, a PCIe 4.0 x16 slot)")
     p.add_argument("--compute-seconds", type=float, default=disk_speed.DEFAULT_COMPUTE_SECONDS,
                    help="seconds of a training step outside the disk (forward, backward, CPU Adam; default "
                         f"{disk_speed.DEFAULT_COMPUTE_SECONDS}: SD1.5 at 512 px on a datacenter GPU with a 16-core host; a "
                         "laptop GPU is slower)")
 
 
+def _h2d_gbps(args):
+    """--h2d-gbps, else this machine's card measured where the plan is for it, else the assumed PCIe 4.0 x16."""
+    if args.h2d_gbps:
+        return args.h2d_gbps, "--h2d-gbps"
+    if not args.gpu_memory and not args.grid:
+        measured = copy_speed.measure_gbps()
+        if measured:
+            return round(measured, 1), "measured on this machine's card"
+    return advice.DEFAULT_H2D_GBPS, "assumed: a PCIe 4.0 x16 slot; --h2d-gbps gives yours"
+
+
 def _plan(args):
+    args.h2d_gbps, args.h2d_source = _h2d_gbps(args)
     if args.model:
         described = advice.describe_model(args.model, not args.no_text_encoder, args.lora_rank or 0,
                                           args.mixed_precision,
@@ -208,7 +222,8 @@ def _plan(args):
                           "gpu_gib": round(machine.gpu / GIB, 2), "host_gib": round(machine.host / GIB, 2),
                           "gpu_usable_gib": round(machine.gpu_usable / GIB, 2),
                           "host_usable_gib": round(machine.host_usable / GIB, 2),
-                          "tiers": rows, "recommended": recommended, "nvme_timing": timing, "written": written},
+                          "tiers": rows, "recommended": recommended, "nvme_timing": timing, "written": written,
+                          "h2d_gbps": args.h2d_gbps, "h2d_source": args.h2d_source},
                          indent=1))
     else:
         _print_plan(params, trainable, source, machine, args, rows, recommended, work)
@@ -264,8 +279,10 @@ def _print_grid(described, work, args):
     if work.moved_before_prepare:
         print(f"\nThe LoRA scripts move the frozen base to the card themselves before prepare() "
               f"({work.moved_before_prepare / GIB:.1f} GiB here, `transformer.to(accelerator.device, dtype=weight_dtype)`): "
-              "under ZeRO-2 it stays there whole; under ZeRO-3 the fix holds that move back and partitions the base "
-              "from host memory, which is how a card smaller than the base trains it.")
+              "under zero2-offload it stays there whole; under zero2-stream and ZeRO-3 the fix holds that move back "
+              "and keeps on the card what fits, streaming the rest (zero2-stream) or partitioning the base from host "
+              f"memory (ZeRO-3), which is how a card smaller than the base trains it. The copies' seconds assume "
+              f"{args.h2d_gbps:g} GB/s from pinned memory to the card ({args.h2d_source}).")
     if disk is not None:
         print(f"\nthe disk: {disk.describe()}" + ("" if args.nvme_path else " (assumed: give --nvme-path DIR to "
                                                                                  "measure yours)"))
