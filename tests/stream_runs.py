@@ -5,8 +5,9 @@ frozen transformers T5 encoder the script moves to the card before prepare() and
 one optimizer, a decaying learning rate, clipping. Real accelerate + DeepSpeed (ZeRO-2, optimizer on the CPU),
 on the CPU (one process, or the processes of a launcher), fp32. ``on_card``: GiB of frozen weights kept on the
 "card" (None: as the config ships, as much as the card leaves, which streams nothing without a GPU); ``tier``:
-another shipped tier instead of zero2-stream; neither: plain accelerate, no DeepSpeed. ``save_at`` / ``load_from``
-with ``first_step``: a checkpoint written before that step into ``folder``, or the run begun there from one."""
+another shipped tier instead of zero2-stream; neither: plain accelerate, no DeepSpeed. ``save_at`` (or
+``save_steps``) / ``load_from`` with ``first_step``: a checkpoint written before that step into ``folder``, or the
+run begun there from one."""
 
 import json
 import os
@@ -131,8 +132,8 @@ def main(options):
             continue
         if step == first and options.get("load_from"):
             acc.load_state(options["load_from"])
-        if step == save_at:
-            acc.save_state(os.path.join(folder, "checkpoint"))
+        if step == save_at or step in options.get("save_steps", ()):
+            acc.save_state(os.path.join(folder, "checkpoint"))  # the same folder each time, as scripts save
         if resume_at is not None and step == resume_at:
             acc.save_state(os.path.join(folder, "new", "checkpoint"))  # a folder that does not exist yet
             acc.load_state(os.path.join(folder, "new", "checkpoint"))

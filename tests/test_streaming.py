@@ -142,3 +142,32 @@ def test_two_processes_stream_each_their_own_copy_and_train_as_one():
     assert streamed["counters"][0]["blocks"] == LAYERS and resident["counters"] == []
     alone, _ = stream_run(on_card=0)
     assert max(abs(a - b) for a, b in zip(streamed["losses"], alone["losses"])) < 1e-6
+
+
+def test_a_streamed_save_killed_half_way_leaves_the_previous_checkpoint_to_resume(tmp_path):
+    """About 15 s. Saves before steps 1 and 3 into one folder under zero2-stream (every block streamed); the second
+    killed with SIGKILL once two of its files are written: load_state of the folder resumes the first save and the
+    run continues as the uninterrupted one, bit for bit."""
+    folder = tmp_path / "run"
+    options = {"on_card": 0, "save_steps": [1, 3], "folder": str(folder)}
+    counted = tmp_path / "files.txt"
+    whole, _ = stream_fault(f"count:{counted}", folder / "checkpoint", options)
+    per_save = len(counted.read_text().splitlines()) // 2
+    assert per_save > 2  # a DeepSpeed checkpoint, the fix's manifest and accelerate's files
+    killed, _ = stream_fault(f"closed:{per_save + 2}", folder / "checkpoint", options, check=False)
+    assert killed is None  # the process died in its second save, before printing anything
+    resumed, said = stream_run(on_card=0, load_from=str(folder / "checkpoint"), first_step=1)
+    assert resumed["losses"] == whole["losses"][1:] and trained(resumed) == trained(whole), said[-2000:]
+    assert resumed["frozen_unchanged"]
+
+
+def stream_fault(fault, watched, options, check=True):
+    """stream_runs.py under tests/crash_save_child.py's fault ``fault`` in saves into ``watched``."""
+    port = free_port()
+    env = clean_env(MASTER_PORT=str(port), ACCEL_DS_FIX_TEST_FAULT=fault, ACCEL_DS_FIX_TEST_FAULT_DIR=str(watched))
+    child = Path(__file__).resolve().parent / "crash_save_child.py"
+    try:
+        proc = run([sys.executable, str(child), str(RUNS), json.dumps(options)], env=env, check=check)
+    finally:
+        remove_shm_segments(port)
+    return (result(proc) if proc.returncode == 0 else None), proc.stderr

@@ -9,6 +9,7 @@ back. A LoRA's base bigger than the card then costs the copies that the computat
 - hooks: when a block is needed (forward, gradient checkpointing's recomputation, backward) and when it is done;
   state_dict, load_state_dict and .to() of a model with streamed weights
 - engine_build: prepare()'s part: the split, the host copies, the engine built without the streamed weights
+- copy_speed: the card's copy bandwidth from pinned memory, which `plan` measures for the tier's step
 
 May use: the ground.
 """
