@@ -26,7 +26,8 @@ class Streamer:
         self.loaded = {}  # block -> the event its copy recorded (None: the card has it)
         self.forward_index = {}  # block -> its place among this step's forward loads
         self.prefetched = []  # loaded ahead, not yet used, oldest first
-        # what the tests and the plan read
+        # what the tests and the bench's probe read (bench/diffusers/script_probe.py)
+        self.host_bytes = 0  # pinned host memory of the copies, chunk tails included
         self.loads = 0  # copies made
         self.waited = 0  # loads the card had to wait for at once (not prefetched)
         self.bytes_copied = 0

@@ -186,7 +186,7 @@ def _streaming():
     if build is None:
         return None
     return [{"blocks": len(s.blocks), "loads": s.loads, "waited": s.waited, "copied_gib": s.bytes_copied / GIB,
-             "host_gib": getattr(s, "host_bytes", 0) / GIB, "order": len(s.order)} for s in build.streamers]
+             "host_gib": s.host_bytes / GIB, "order": len(s.order)} for s in build.streamers]
 
 
 def write(*_):
