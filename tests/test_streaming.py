@@ -57,13 +57,19 @@ def test_streamed_blocks_train_bit_for_bit_as_resident_ones(checkpointing):
 
 
 def test_streamed_training_is_plain_accelerates_and_resumes_exactly():
-    """About 45 s. The same training without DeepSpeed (fp32: ZeRO-2's own rounding apart); a save_state and
-    load_state after step 2 into a folder that does not exist yet, resumed to step 5 as if never stopped."""
+    """About 45 s. The same training without DeepSpeed (fp32: ZeRO-2's own rounding apart), with clipping at 1.0 and
+    without; a save_state and load_state after step 2 into a folder that does not exist yet, resumed to step 5 as if
+    never stopped."""
     streamed, _ = stream_run(on_card=0)
     plain, _ = stream_run()
     assert max(abs(a - b) for a, b in zip(streamed["losses"], plain["losses"])) < 2e-6
     assert max(abs(a - b) for a, b in zip(trained(streamed), trained(plain))) < 2e-6
     assert trained(streamed) != trained(stream_run(on_card=0, steps=4)[0])  # the LoRA trains: step 5 changes it
+    # clipping off on both sides (a max_norm no gradient reaches, and the config's gradient_clipping at it)
+    unclipped, _ = stream_run(on_card=0, clip=1000.0)
+    plain_unclipped, _ = stream_run(clip=1000.0)
+    assert max(abs(a - b) for a, b in zip(trained(unclipped), trained(plain_unclipped))) < 2e-6
+    assert max(abs(a - b) for a, b in zip(trained(unclipped), trained(streamed))) > 1e-4  # clipping was at work
     resumed, _ = stream_run(on_card=0, resume_at=2)
     assert resumed["losses"] == streamed["losses"] and trained(resumed) == trained(streamed)
     assert resumed["frozen_unchanged"]
