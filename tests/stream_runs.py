@@ -157,9 +157,13 @@ def main(options):
                 for s in streamers]
     if not acc.is_main_process:
         return
-    print(json.dumps({"losses": losses, "norms": norms, "counters": counters, "frozen_unchanged": frozen_same,
+    report = json.dumps({"losses": losses, "norms": norms, "counters": counters, "frozen_unchanged": frozen_same,
                       "lora": {k: v.flatten().tolist() for k, v in lora.items()},
-                      "text_encoder": [v.flatten().tolist() for v in accel_ds_fix.unwrap(text_encoder).state_dict().values()]}))
+                      "text_encoder": [v.flatten().tolist() for v in accel_ds_fix.unwrap(text_encoder).state_dict().values()]})
+    if options.get("out"):  # under a launcher the processes' output may interleave: a file of its own
+        with open(options["out"], "w", encoding="utf-8") as f:
+            f.write(report)
+    print(report)
 
 
 if __name__ == "__main__":

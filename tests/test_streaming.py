@@ -129,19 +129,20 @@ def test_a_streamed_checkpoint_resumes_under_the_other_tiers_and_theirs_under_st
     assert resumed["counters"][0]["blocks"] == LAYERS and resumed["frozen_unchanged"]
 
 
-def test_two_processes_stream_each_their_own_copy_and_train_as_one():
+def test_two_processes_stream_each_their_own_copy_and_train_as_one(tmp_path):
     """About 30 s. `accelerate launch --num_processes 2` (gloo) on the CPU, every process on the same batches:
     every block streamed in each process equals every block resident bit for bit, and one process's run within
     fp32's rounding of the gradients' average."""
     def launched(on_card):
-        port = free_port()
+        port, out = free_port(), tmp_path / f"{on_card}.json"
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
                   "--num_machines", "1", "--mixed_precision", "no", "--zero_stage", "2", "--main_process_port",
-                  str(port), str(RUNS), json.dumps({"on_card": on_card})]
+                  str(port), str(RUNS), json.dumps({"on_card": on_card, "out": str(out)})]
         try:
-            return result(run(launch, env=clean_env()))
+            run(launch, env=clean_env())
         finally:
             remove_shm_segments(port)
+        return json.loads(out.read_text())
 
     streamed, resident = launched(0), launched(100)
     assert streamed["losses"] == resident["losses"] and trained(streamed) == trained(resident)
