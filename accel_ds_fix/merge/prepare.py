@@ -2,6 +2,7 @@
 comes back as a proxy. With one model, or without DeepSpeed, accelerate runs untouched (on accelerate 0.15 - 0.17
 the DeepSpeed config and optimizer are first brought to what later releases make of them: launch/old_accelerate.py)."""
 
+import contextlib
 import logging
 
 import torch
@@ -42,12 +43,12 @@ def _say_if_half_precision_weights(plan):
 
 def _streaming(plan, others, config, precision, instance, streams=True):
     """The streaming tier's engine build (streaming/engine_build.py); nothing for another config."""
+    if not streams:
+        return contextlib.nullcontext()
     dtype = dtypes.training_dtype(config, precision)
     trained = [p for m in plan.models for p in m.parameters() if p.requires_grad]
     # the trained weights in the training precision, ZeRO-2's gradient bucket and its flat copy while it builds
     engine_bytes = 3 * sum(p.numel() for p in trained) * (2 if dtype is not None else 4)
-    if not streams:
-        return streaming_build.while_engine_is_built([], [], [], {}, dtype, instance.device)
     return streaming_build.while_engine_is_built(plan.models, plan.names, others, config, dtype, instance.device,
                                                  engine_bytes)
 

@@ -1,18 +1,21 @@
-"""The card's copy bandwidth from pinned host memory: what sets the streaming tier's floor (a step takes at least
-the bytes it streams over it). `plan` measures it where it finds a card and is not told (--h2d-gbps)."""
+"""The card's copy bandwidth from host memory: what sets the streaming tier's floor (a step takes at least the
+bytes it streams over it). `plan` measures it from pinned memory where it finds a card and is not told
+(--h2d-gbps); bench/h2d_bandwidth.py prints it pinned and pageable."""
 
 import time
 
 
-def measure_gbps(mib=512, repeats=3):
-    """GB/s of one copy of ``mib`` MiB from pinned host memory to the first card, the best of ``repeats``; None
-    without a card."""
+def measure_gbps(mib=512, repeats=3, pinned=True):
+    """GB/s of one copy of ``mib`` MiB from host memory (pinned, or pageable) to the first card, the best of
+    ``repeats``; None without a card."""
     import torch
 
     if not torch.cuda.is_available():
         return None
     n = mib * 2**20
-    source = torch.ones(n, dtype=torch.uint8).pin_memory()
+    source = torch.ones(n, dtype=torch.uint8)
+    if pinned:
+        source = source.pin_memory()
     target = torch.empty(n, dtype=torch.uint8, device="cuda")
     best = float("inf")
     for _ in range(repeats):
