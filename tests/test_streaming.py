@@ -96,7 +96,8 @@ def test_blocks_are_the_children_of_the_outermost_lists_and_the_first_ones_stay_
     class Layer(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.inner = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+            self.proj = torch.nn.Linear(4, 4)
+            self.inner = torch.nn.ModuleList([torch.nn.Linear(4, 4)])  # half the layer: the layer is not cut there
             self.adapter = torch.nn.Linear(4, 1)  # trainable: never streams
 
     model = torch.nn.Module()
@@ -110,6 +111,59 @@ def test_blocks_are_the_children_of_the_outermost_lists_and_the_first_ones_stay_
     assert all(len(b.params) == 4 and b.nbytes == 2 * 40 for b in found)  # two Linear(4, 4): weights and biases
     resident, streamed = blocks.split(found, 170)
     assert [b.name for b in resident] == ["m.layers.0", "m.layers.1"] and [b.name for b in streamed] == ["m.layers.2"]
+
+
+@pytest.mark.quick
+def test_a_block_too_large_is_cut_at_its_inner_lists_as_plan_cuts_the_checkpoint(tmp_path):
+    """SDXL's up_blocks.0 holds 47 % of the UNet: two of it on the card at once would fill an 8 GB card. A block
+    above 1/16 of its model whose inner lists hold nearly all of it is cut there, again and again (an attention's
+    transformer_blocks); a block whose lists hold little (Flux's attn.to_out.0) stays whole, a list of lists
+    (kohya's SDXL UNet) is cut always. `plan` cuts the checkpoint's names the same way."""
+    import torch
+    from safetensors.torch import save_file
+
+    from accel_ds_fix.memory import model_files, pipelines
+
+    def linear(n):
+        return torch.nn.Linear(n, n, bias=False)
+
+    class Attention(torch.nn.Module):  # a Transformer2DModel: proj_in, a list of transformer blocks
+        def __init__(self, layers):
+            super().__init__()
+            self.proj_in = linear(4)
+            self.transformer_blocks = torch.nn.ModuleList([linear(16) for _ in range(layers)])
+
+    class UpBlock(torch.nn.Module):
+        def __init__(self, layers):
+            super().__init__()
+            self.resnets = torch.nn.ModuleList([linear(8), linear(8)])
+            self.attentions = torch.nn.ModuleList([Attention(layers), Attention(layers)])
+
+    class FluxLike(torch.nn.Module):  # most of it outside its small inner list
+        def __init__(self):
+            super().__init__()
+            self.to_q = linear(16)
+            self.to_out = torch.nn.ModuleList([linear(2)])
+
+    unet = torch.nn.Module()
+    unet.conv_in = linear(64)  # outside every list: counts in the model's size (11,920 elements in all)
+    unet.up_blocks = torch.nn.ModuleList([UpBlock(10), UpBlock(1), UpBlock(1), UpBlock(1)])
+    unet.single = torch.nn.ModuleList([FluxLike() for _ in range(2)])
+    unet.kohya = torch.nn.ModuleList([torch.nn.ModuleList([linear(2), linear(2)])])
+    unet.requires_grad_(False)
+    found = blocks.find(unet, "unet", lambda p: p.numel() * 2)
+    names = [b.name[len("unet."):] for b in found]
+    assert names[:4] == ["up_blocks.0.resnets.0", "up_blocks.0.resnets.1", "up_blocks.0.attentions.0.transformer_blocks.0",
+                         "up_blocks.0.attentions.0.transformer_blocks.1"], names
+    assert "up_blocks.1" in names and "single.0" in names and "kohya.0.0" in names and "kohya.0" not in names
+    assert not any(n.startswith("up_blocks.0.attentions.0.proj_in") for n in names)  # outside the cut: on the card
+    assert all(isinstance(b.module, torch.nn.Module) for b in found)
+    # the plan reads the same cut from the weights' names in a checkpoint
+    folder = tmp_path / "unet"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in unet.state_dict().items()}, str(folder / "model.safetensors"))
+    largest = pipelines._largest_block(model_files.folder_shapes(str(folder)))
+    assert largest == max(b.nbytes // 2 for b in found) == 2 * 8 * 8 + 2 * (4 * 4 + 16 * 16)  # up_blocks.1: whole
 
 
 def test_a_streamed_checkpoint_resumes_under_the_other_tiers_and_theirs_under_streaming(tmp_path):

@@ -8,6 +8,7 @@ import json
 import os
 import re
 
+from ..streaming import blocks
 from . import model_files
 
 # peft's LoRA on the text encoders, in every script below.
@@ -151,11 +152,7 @@ def count(folder, family, train_text_encoder=False, lora_rank=0, mixed_precision
 
 
 def _largest_block(shapes):
-    """Elements of the largest block: the weights under one index of an outermost list ("transformer_blocks.3.",
-    "encoder.block.7.", "down_blocks.1."), as the streaming tier cuts a model (streaming/blocks.py)."""
-    blocks = {}
-    for key, shape in shapes.items():
-        match = re.match(r"^((?:[A-Za-z_]\w*\.)*?\d+)\.", key)
-        if match:
-            blocks[match.group(1)] = blocks.get(match.group(1), 0) + model_files.numel(shape)
-    return max(blocks.values(), default=0)
+    """Elements of the largest block, cut from the checkpoint's names as the streaming tier cuts the model
+    (streaming/blocks.py: the children of the outermost lists, a large one cut at its inner lists)."""
+    elements = {key: model_files.numel(shape) for key, shape in shapes.items()}
+    return max((sum(elements[n] for n in names) for names in blocks.cut(elements).values()), default=0)

@@ -2,7 +2,8 @@
 stay in pinned host memory, copied to the card block by block ahead of each use on a side stream, never copied
 back. A LoRA's base bigger than the card then costs the copies that the computation does not hide.
 
-- blocks: which modules are blocks (the children of a model's ModuleLists) and which of them stream
+- blocks: which modules are blocks (the children of a model's outermost lists, a large one cut at its inner lists),
+  from the weights' names as `plan` reads them, and which of them stream
 - host_memory: pinned host memory carved from whole chunks (torch's pinned allocator rounds each request up to a
   power of two: a 75 MB weight would hold 128 MB)
 - streamer: one per process; loads a block, prefetches the next one along the order the last step used, releases

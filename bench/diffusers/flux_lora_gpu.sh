@@ -12,6 +12,14 @@
 #       frozen T5 on the card (the script leaves it on the CPU and encodes CLIP's ids there, which fails on a GPU
 #       without DeepSpeed; under ZeRO-3 the fix gathers it onto the card). Frees $DROP (the LoRA job's pipeline)
 #       where the disk has less than NEED_GB free.
+#   KIND=sd35 / KIND=sdxl (issue 42's other figures): train_dreambooth_lora_sd3.py on an SD3.5-large-sized pipeline
+#       (transformer 8.1B, CLIP-L and CLIP-G with projections, T5-XXL, VAE) in a 12 GiB cap, and
+#       train_dreambooth_lora_sdxl.py on an SDXL-sized one (UNet 2.57B, CLIP-L, CLIP-G, VAE) in an 8 GiB cap; LoRA
+#       rank 16 (the text encoders' LoRA too), lr 1e-4, 1024 px, zero2-stream. TINY=1: make_tiny_pipeline.py's
+#       sd3 / sdxl at 64 px.
+# A run in RUNS may carry tags after dots: st.prof (PROBE_PROFILE_STEP=$PROFILE_STEP, default 3: one step's chrome
+# trace and bench/stream_profile.py's summary of it), st.pf2 (the streamer two blocks ahead), st.exp
+# (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); its files are named with _ for the dots.
 # Each run's report from bench/diffusers/script_probe.py (losses, step times, peak GPU allocated/reserved, host
 # VmHWM and anonymous memory, at the end of training and for the whole process) goes to $RES/<P>NAME.json, its log
 # to $RES/<P>NAME.log, a summary line to $RES/<P>summary.txt; `plan`'s prediction to $RES/<P>plan.txt (and .json);
@@ -47,7 +55,8 @@ TAG=${DIFFUSERS_TAG:-v0.40.0}
 if [ "${1:-}" = prepare ]; then  # here: the ignored kit folder
     set -e
     mkdir -p "$EXT/diffusers-$TAG"
-    for name in train_dreambooth_lora_flux.py train_dreambooth_flux.py; do
+    for name in train_dreambooth_lora_flux.py train_dreambooth_flux.py train_dreambooth_lora_sd3.py \
+                train_dreambooth_lora_sdxl.py; do
         git --git-dir="${DIFFUSERS_GIT:-/work/.mirror/huggingface+diffusers/repo}" show \
             "$TAG:examples/dreambooth/$name" >"$EXT/diffusers-$TAG/$name"
     done
@@ -62,6 +71,7 @@ fi
 KIND=${KIND:-lora}
 BASE=/var/tmp; [ "$(stat -f -c %T /var/tmp)" = tmpfs ] && BASE=/root  # pipelines and swap files on a disk, not RAM
 RANK=${RANK:-16}
+MAKE=flux-dev; TINY_KIND=flux; PIPELINE=FluxPipeline; RESOLUTION_DEFAULT=512
 case $KIND in  # what differs: the script and its flags, the model's shape, the tier, the cap, the files' prefix
     lora) P=""; NAME=train_dreambooth_lora_flux.py; KIND_ARGS=(--rank "$RANK"); PLAN_KIND=(--lora-rank "$RANK")
           LR=${LR:-1e-4}; TIER=${TIER:-zero3-offload}; SHAPE=${SHAPE-}; CAP_GIB=16; T_Z3=${T_Z3:-540}
@@ -70,13 +80,24 @@ case $KIND in  # what differs: the script and its flags, the model's shape, the 
           LR=${LR:-1e-5}; TIER=${TIER:-zero3-nvme}; SHAPE=${SHAPE---blocks 4,8 --t5-layers 2}; CAP_GIB=12
           T_Z3=${T_Z3:-420}; T_PLAIN=${T_PLAIN:-180}; WORK=${WORK:-$BASE/fluxfull}; DROP=${DROP-$BASE/flux}
           KEEP_OUT=${KEEP_OUT:-0} ;;
-    *) echo "KIND=$KIND: lora or full"; exit 2 ;;
+    sd35|sdxl)
+          P=${KIND}_; KIND_ARGS=(--rank "$RANK"); PLAN_KIND=(--lora-rank "$RANK"); LR=${LR:-1e-4}
+          TIER=${TIER:-zero2-stream}; SHAPE=${SHAPE-}; T_Z3=${T_Z3:-420}; T_PLAIN=${T_PLAIN:-240}
+          WORK=${WORK:-$BASE/$KIND}; DROP=${DROP-}; KEEP_OUT=${KEEP_OUT:-1}; RESOLUTION_DEFAULT=1024
+          if [ "$KIND" = sd35 ]; then
+              NAME=train_dreambooth_lora_sd3.py; MAKE=sd35-large; TINY_KIND=sd3; PIPELINE=StableDiffusion3Pipeline
+              CAP_GIB=12
+          else
+              NAME=train_dreambooth_lora_sdxl.py; MAKE=sdxl; TINY_KIND=sdxl; PIPELINE=StableDiffusionXLPipeline
+              CAP_GIB=8
+          fi ;;
+    *) echo "KIND=$KIND: lora, full, sd35 or sdxl"; exit 2 ;;
 esac
 TINY=${TINY:-0}
 if [ "$TINY" = 1 ]; then
     STEPS=${STEPS:-2}; RESOLUTION=${RESOLUTION:-64}; CAP=${CAP-}; SETUP=${SETUP:-0}; MAKE_ARGS="--tiny --device cpu"
 else
-    STEPS=${STEPS:-6}; RESOLUTION=${RESOLUTION:-512}; CAP=${CAP-$CAP_GIB}; SETUP=${SETUP:-1}; MAKE_ARGS=""
+    STEPS=${STEPS:-6}; RESOLUTION=${RESOLUTION:-$RESOLUTION_DEFAULT}; CAP=${CAP-$CAP_GIB}; SETUP=${SETUP:-1}; MAKE_ARGS=""
 fi
 RUNS=${RUNS:-z3 plain}; PEFT=${PEFT:-carried}; CKPT=${CKPT:-0}; NEED_GB=${NEED_GB:-50}
 RES=${RES:-/var/tmp/res}
@@ -125,13 +146,15 @@ for name in ("torch", "transformers", "diffusers", "peft", "accelerate", "deepsp
 import torch
 print("  cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0), torch.version.cuda)
 EOF
-if ! python3 - >"$RES/${P}check.log" 2>&1 <<'EOF'
+if ! PIPELINE=$PIPELINE python3 - >"$RES/${P}check.log" 2>&1 <<'EOF'
+import os
 from packaging.version import Version
 import transformers
 if Version(transformers.__version__) < Version("4.41.2"):
     raise SystemExit(f"transformers {transformers.__version__} is older than 4.41.2, which diffusers' Flux script needs")
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast  # noqa: F401
-from diffusers import FluxPipeline, FluxTransformer2DModel  # noqa: F401
+import diffusers
+getattr(diffusers, os.environ["PIPELINE"])
 from peft import LoraConfig  # noqa: F401
 from torchvision import transforms  # noqa: F401
 EOF
@@ -161,8 +184,12 @@ else
     note "pipeline: writing $M"
     rm -rf "$M"
     # shellcheck disable=SC2086
-    python3 bench/diffusers/make_shape_pipeline.py flux-dev "$M" --random $MAKE_ARGS $SHAPE >"$RES/${P}make_pipeline.log" 2>&1 &&
-        touch "$M/.complete" || { note "ERROR: make_shape_pipeline failed"; tail -20 "$RES/${P}make_pipeline.log"; exit 2; }
+    if [ "$TINY" = 1 ] && [ "$KIND" != lora ] && [ "$KIND" != full ]; then  # make_tiny_pipeline.py's SD3 / SDXL
+        python3 bench/diffusers/make_tiny_pipeline.py "$TINY_KIND" "$WORK/tiny" --resolution 64 \
+            >"$RES/${P}make_pipeline.log" 2>&1 && rm -rf "$M" && mv "$WORK/tiny/model" "$M"
+    else
+        python3 bench/diffusers/make_shape_pipeline.py "$MAKE" "$M" --random $MAKE_ARGS $SHAPE >"$RES/${P}make_pipeline.log" 2>&1
+    fi && touch "$M/.complete" || { note "ERROR: making the pipeline failed"; tail -20 "$RES/${P}make_pipeline.log"; exit 2; }
     grep -v "Setting accelerator" "$RES/${P}make_pipeline.log" | tail -4 | tee -a "$RES/${P}summary.txt"
 fi
 du -sh "$M" | tee -a "$RES/${P}summary.txt"
@@ -264,10 +291,13 @@ open(target, "w").write(text.replace(anchor, anchor + """    else:  # accel_ds_f
 """))
 EOF
 fi
-# train NAME CONFIG ACCEL_DS_FIX CAP LIMIT SCRIPT: one launch of the script through the probe, then its summary line
+# train NAME CONFIG ACCEL_DS_FIX CAP LIMIT SCRIPT [ENV...]: one launch of the script through the probe, then its
+# summary line
 train() {
     local name=$P$1 config=$2 fix=$3 cap=$4 limit=$5 script=$6 smi="" rc
     local out=$WORK/out_$1
+    shift 6
+    local tags=("$@")
     rm -rf "$out" "$RES/$name.json"
     local extra=(); [ "$CKPT" = 1 ] && extra=(--checkpointing_steps "$STEPS")
     if [ "$TINY" != 1 ] && command -v nvidia-smi >/dev/null; then
@@ -276,7 +306,7 @@ train() {
     fi
     note "run $name: $(basename "$script") $config, ACCEL_DS_FIX=$fix, cap ${cap:-none}, timeout ${limit}s"
     local t=$SECONDS
-    (cd "$WORK" && env ACCEL_DS_FIX="$fix" PROBE_OUT="$RES/$name.json" PROBE_CAP_GIB="$cap" PROBE_SDPA="${SDPA-no-cudnn}" \
+    (cd "$WORK" && env "${tags[@]}" ACCEL_DS_FIX="$fix" PROBE_OUT="$RES/$name.json" PROBE_CAP_GIB="$cap" PROBE_SDPA="${SDPA-no-cudnn}" \
         timeout -k 45 "$limit" python3 -m accelerate.commands.accelerate_cli launch --config_file "$config" \
         "$REPO/bench/diffusers/script_probe.py" "$script" \
         --pretrained_model_name_or_path "$M" --instance_data_dir "$WORK/instance" --instance_prompt "a photo of sks dog" \
@@ -326,7 +356,7 @@ if os.path.exists(lora):
         for key in sf.keys():
             c = counts.setdefault(key.split(".")[0], [0, 0, 0])
             c[0] += 1
-            if "lora_B" in key:
+            if "lora_B" in key or key.endswith(".up.weight"):  # peft's names, or the SDXL script's older ones
                 c[1] += 1
                 c[2] += int(bool(sf.get_tensor(key).float().abs().sum() > 0))
     print("  export:", ", ".join(f"{k} {n} tensors, lora_B non-zero {z}/{b}" for k, (n, b, z) in counts.items()),
@@ -367,16 +397,48 @@ elif os.path.exists(os.path.join(out, "model_index.json")):  # a full fine-tune'
 else:
     print("  export: none")
 EOF
+    if [ -f "$RES/$name.json.trace.json.gz" ]; then  # a profiled step: where its time went
+        python3 bench/stream_profile.py "$RES/$name.json.trace.json.gz" --json "$RES/$name.profile.json" 2>&1 |
+            sed 's/^/  profile: /' | tee -a "$RES/${P}summary.txt"
+        mv "$RES/$name.json.trace.json.gz" "$WORK/"  # large: kept on the machine, its summary comes back
+    fi
     [ "$KEEP_OUT" = 1 ] || rm -rf "$out"
     case $config in "$WORK"/cfg/*) rm -rf "$NVME"; mkdir -p "$NVME" ;; esac  # the NVMe tier's swap files
     return $rc
 }
+# stream_config st0|st100: the shipped zero2-stream pair with frozen_on_card_gib 0 | 100, its yaml's path
+stream_config() {
+    python3 - "$REPO/configs" "$WORK/cfg_$1" "${1#st}" <<'EOF'
+import json, os, sys
+configs, target, on_card = sys.argv[1], sys.argv[2], float(sys.argv[3])
+os.makedirs(target, exist_ok=True)
+config = json.load(open(os.path.join(configs, "ds_zero2_stream.json")))
+config["accel_ds_fix"]["frozen_on_card_gib"] = on_card
+json.dump(config, open(os.path.join(target, "ds_zero2_stream.json"), "w"), indent=2)
+text = open(os.path.join(configs, "accelerate_zero2_stream.yaml")).read()
+open(os.path.join(target, "accelerate_zero2_stream.yaml"), "w").write(text)
+print(os.path.join(target, "accelerate_zero2_stream.yaml"))
+EOF
+}
 for run in $RUNS; do
-    case $run in
-        z3) train z3 "$CONFIG" 1 "$CAP" "$T_Z3" "$SCRIPT" ;;
-        z3set) train z3set "${CONFIG_SET:?ZERO_SET is empty}" 1 "$CAP" "$T_Z3" "$SCRIPT" ;;
-        st) train st "$REPO/configs/accelerate_zero2_stream.yaml" 1 "$CAP" "$T_Z3" "$SCRIPT" ;;
-        plain) train plain "$WORK/plain.yaml" 0 "" "$T_PLAIN" "$SCRIPT_PLAIN" ;;
+    env=()
+    for tag in $(echo "$run" | tr . ' ' | cut -d' ' -f2-); do
+        [ "$tag" = "${run%%.*}" ] && continue
+        case $tag in
+            prof) env+=("PROBE_PROFILE_STEP=${PROFILE_STEP:-3}") ;;
+            pf2) env+=("PROBE_STREAM_PREFETCH=2") ;;
+            exp) env+=("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True") ;;
+            *) note "unknown tag $tag of $run" ;;
+        esac
+    done
+    label=${run//./_}
+    case ${run%%.*} in
+        z3) train "$label" "$CONFIG" 1 "$CAP" "$T_Z3" "$SCRIPT" "${env[@]}" ;;
+        z3set) train "$label" "${CONFIG_SET:?ZERO_SET is empty}" 1 "$CAP" "$T_Z3" "$SCRIPT" "${env[@]}" ;;
+        st) train "$label" "$REPO/configs/accelerate_zero2_stream.yaml" 1 "$CAP" "$T_Z3" "$SCRIPT" "${env[@]}" ;;
+        st0|st100)  # zero2-stream with frozen_on_card_gib 0 (every frozen block streams) or 100 (none does)
+            train "$label" "$(stream_config "${run%%.*}")" 1 "$CAP" "$T_Z3" "$SCRIPT" "${env[@]}" ;;
+        plain) train "$label" "$WORK/plain.yaml" 0 "" "$T_PLAIN" "$SCRIPT_PLAIN" "${env[@]}" ;;
         *) note "unknown run $run" ;;
     esac
 done

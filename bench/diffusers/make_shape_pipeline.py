@@ -4,8 +4,8 @@ built on torch's meta device from the published configs written out below.
 By default the safetensors files are header-only: what `plan --model` reads (the headers), without the gigabytes;
 they load nowhere else.
 
-With --random (flux-dev only) the folder is a loadable pipeline (FluxPipeline.from_pretrained, diffusers'
-train_dreambooth_lora_flux.py) with random bf16 weights: each tensor is drawn on the GPU where there is one (std 0.02;
+With --random (flux-dev, sd35-large, sdxl) the folder is a loadable pipeline (FluxPipeline.from_pretrained, diffusers'
+train_dreambooth_lora_flux.py, _sd3.py, _sdxl.py) with random bf16 weights: each tensor is drawn on the GPU where there is one (std 0.02;
 norm weights 1, biases 0), copied to the host and written at once into sharded safetensors files with their index
 json, as save_pretrained shards (the transformer in 10 GB files, T5 in 5 GB ones, as the published repository), so
 host memory holds one tensor at a time. The configs say bfloat16, as the published ones do. Tokenizers are built
@@ -110,17 +110,21 @@ def flux_dev(sizes=FLUX_DEV, blocks=None, token_ids=None, t5_layers=None):
         "vae": vae(**sizes["vae"], use_quant_conv=False, use_post_quant_conv=False, sample_size=1024)}
 
 
-def sd35(layers, heads, caption, pos, dual):
+def sd35(layers, heads, caption, pos, dual, token_ids=None):
     from diffusers import SD3Transformer2DModel
 
+    tokens = {}
+    if token_ids:
+        tokens = dict(bos_token_id=token_ids["bos"], eos_token_id=token_ids["eos"], pad_token_id=token_ids["pad"])
     return "StableDiffusion3Pipeline", {
         "transformer": SD3Transformer2DModel(sample_size=128, patch_size=2, in_channels=16, out_channels=16,
                                              num_layers=layers, attention_head_dim=64, num_attention_heads=heads,
                                              joint_attention_dim=4096, caption_projection_dim=caption,
                                              pooled_projection_dim=2048, pos_embed_max_size=pos,
                                              dual_attention_layers=dual, qk_norm="rms_norm"),
-        "text_encoder": clip_l(projection=True), "text_encoder_2": clip_g(), "text_encoder_3": t5_xxl(),
-        "vae": vae(16)}
+        "text_encoder": clip_l(projection=True, **tokens), "text_encoder_2": clip_g(**tokens),
+        "text_encoder_3": t5_xxl(), "vae": vae(16, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
+                                               use_post_quant_conv=False, sample_size=1024)}
 
 
 # SDXL's published UNet; --tiny narrows it to SDXL_TINY_CHANNELS (kohya's sdxl_train.py rebuilds it as its own
@@ -153,8 +157,8 @@ def sdxl(tiny=False, token_ids=None):
 
 KINDS = {
     "flux-dev": flux_dev,
-    "sd35-medium": lambda: sd35(24, 24, 1536, 384, tuple(range(13))),
-    "sd35-large": lambda: sd35(38, 38, 2432, 192, ()),
+    "sd35-medium": lambda token_ids=None: sd35(24, 24, 1536, 384, tuple(range(13)), token_ids),
+    "sd35-large": lambda token_ids=None: sd35(38, 38, 2432, 192, (), token_ids),
     "sdxl": sdxl,
 }
 
@@ -253,9 +257,9 @@ def save_config(model, folder):
         model.config.save_pretrained(folder)
 
 
-def tokenizers(out, second="t5"):
+def tokenizers(out, second="t5", third=False):
     """The tiny offline tokenizers, saved into OUT/tokenizer and OUT/tokenizer_2 (T5's for Flux, a second CLIP
-    tokenizer for SDXL): their ids and classes."""
+    tokenizer for SDXL and SD3) and, with third, T5's into OUT/tokenizer_3 (SD3): their ids and classes."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import tiny_tokenizers
 
@@ -266,18 +270,23 @@ def tokenizers(out, second="t5"):
         shutil.copytree(os.path.join(out, "tokenizer"), os.path.join(out, "tokenizer_2"), dirs_exist_ok=True)
     else:
         other.save_pretrained(os.path.join(out, "tokenizer_2"))
+    entries = {"tokenizer": ["transformers", type(clip).__name__], "tokenizer_2": ["transformers", type(other).__name__]}
+    if third:
+        t5 = tiny_tokenizers.t5_tokenizer(model_max_length=512)
+        t5.save_pretrained(os.path.join(out, "tokenizer_3"))
+        entries["tokenizer_3"] = ["transformers", type(t5).__name__]
     vocab = clip.get_vocab()
     ids = {"bos": vocab["<|startoftext|>"], "eos": vocab["<|endoftext|>"], "pad": vocab["<|endoftext|>"],
            "clip_vocab": len(vocab), "t5_vocab": len(other)}
-    return ids, {"tokenizer": ["transformers", type(clip).__name__],
-                 "tokenizer_2": ["transformers", type(other).__name__]}
+    return ids, entries
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("kind", choices=sorted(KINDS))
     p.add_argument("out")
-    p.add_argument("--random", action="store_true", help="flux-dev, sdxl: random bf16 weights, a loadable pipeline")
+    p.add_argument("--random", action="store_true", help="flux-dev, sd35-large, sdxl: random bf16 weights, a "
+                   "loadable pipeline")
     p.add_argument("--tiny", action="store_true", help="with --random: make_tiny_pipeline.py's tiny Flux shapes; "
                    "SDXL's UNet narrowed to %d channels, CLIP-G with two layers" % SDXL_TINY_CHANNELS)
     p.add_argument("--blocks", help="flux-dev: D,S double and single transformer blocks at the real widths")
@@ -289,8 +298,10 @@ def main():
                    help="with --random: where the values are drawn (default: cuda where there is one)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    if args.tiny and not args.random or args.random and args.kind not in ("flux-dev", "sdxl"):
-        p.error("--tiny goes with --random, which makes flux-dev and sdxl")
+    if args.tiny and not args.random or args.random and args.kind not in ("flux-dev", "sd35-large", "sdxl"):
+        p.error("--tiny goes with --random, which makes flux-dev, sd35-large and sdxl")
+    if args.tiny and args.kind == "sd35-large":
+        p.error("a tiny SD3: bench/diffusers/make_tiny_pipeline.py sd3")
     if (args.blocks or args.t5_layers) and args.kind != "flux-dev":
         p.error("--blocks and --t5-layers are flux-dev's")
     os.makedirs(args.out, exist_ok=True)
@@ -300,11 +311,14 @@ def main():
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         index["_diffusers_version"] = diffusers.__version__
-        token_ids, tokenizer_entries = tokenizers(args.out, "t5" if args.kind == "flux-dev" else "clip")
+        token_ids, tokenizer_entries = tokenizers(args.out, "t5" if args.kind == "flux-dev" else "clip",
+                                                  third=args.kind == "sd35-large")
         if args.kind == "flux-dev":
             scheduler = FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096,
                                                         max_shift=1.15, num_train_timesteps=1000, shift=3.0,
                                                         use_dynamic_shifting=True)
+        elif args.kind == "sd35-large":  # SD3.5-large's published scheduler
+            scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
         else:  # SDXL base's published scheduler
             from diffusers import EulerDiscreteScheduler
 
@@ -321,6 +335,8 @@ def main():
                                                         args.t5_layers)
         elif args.kind == "sdxl":
             index["_class_name"], components = sdxl(args.tiny, token_ids)
+        elif token_ids:
+            index["_class_name"], components = KINDS[args.kind](token_ids)
         else:
             index["_class_name"], components = KINDS[args.kind]()
     generator = torch.Generator(args.device).manual_seed(args.seed)

@@ -18,6 +18,10 @@ Settings (environment):
 - PROBE_SDPA=no-cudnn: turn off cuDNN's scaled-dot-product attention when the Accelerator is made. On torch
   2.11+cu130 with cuDNN 9.19 its backward gives Flux wrong gradients (H100) or an illegal memory access (H200), with
   or without DeepSpeed (docs/gpu.md, run 13; bench/diffusers/flux_backward_probe.py checks a stack).
+- PROBE_PROFILE_STEP=K: torch.profiler (CPU and CUDA) from the K-th accelerator.backward call to the next one (one
+  whole step: the backward, the optimizer, the next batch's encoders and forward); the chrome trace goes to
+  PROBE_OUT + ".trace.json.gz" (bench/stream_profile.py reads it: the card's computing, the copies, their overlap).
+- PROBE_STREAM_PREFETCH=N: the streaming tier's streamer prefetches N blocks ahead instead of 1 (a bench knob).
 
 The report: every loss passed to accelerator.backward and the time of each call (step_times: the seconds between
 calls, i.e. one optimizer step each without gradient accumulation; under DeepSpeed, accelerate's backward also
@@ -99,7 +103,26 @@ def _snapshot(label=None):
     snap = {"t": round(time.time() - T0, 3), **_proc_status(), **_cuda()}
     if label:
         snap["label"] = label
+    if label == "backward":  # what the step so far cost beyond the computing: allocator retries, stream waits
+        snap.update(_allocator_counts())
+        streaming = _streaming()
+        if streaming:
+            snap["stream_loads"] = sum(s["loads"] for s in streaming)
+            snap["stream_waited"] = sum(s["waited"] for s in streaming)
     return snap
+
+
+def _allocator_counts():
+    """The caching allocator's counters that mean a synchronisation: retries (a cudaMalloc that failed, the cache
+    freed, the card synchronised) and cudaMalloc/cudaFree calls."""
+    cuda = _torch_cuda()
+    try:
+        stats = {} if cuda is None else cuda.memory_stats()
+    except Exception:
+        return {}
+    return {key: stats.get(name, 0) for key, name in (("alloc_retries", "num_alloc_retries"),
+                                                      ("device_allocs", "num_device_alloc"),
+                                                      ("device_frees", "num_device_free"))}
 
 
 def _phase_peaks(snap):
@@ -177,7 +200,8 @@ def report():
             "losses": _state["losses"], "step_times": steps,
             "median_step_s_after_first": _median(steps[1:]) if len(steps) > 1 else _median(steps),
             "first_backward_s": round(times[0] - T0, 3) if times else None, "peaks": peaks, "phases": phases,
-            "marks": _state["marks"], "samples": _state["samples"], "streaming": _streaming()}
+            "marks": _state["marks"], "samples": _state["samples"], "streaming": _streaming(),
+            "profile": _state.get("profile"), "stream_prefetch": _state.get("stream_prefetch")}
 
 
 def _streaming():
@@ -240,6 +264,7 @@ def _patch(accelerate):
     def backward_(self, loss, *args, **kwargs):
         _state["losses"].append(float(loss.detach().float().item()))
         _state["backward_at"].append(time.time())
+        _profile(len(_state["losses"]))
         mark("backward")
         write()
         return backward(self, loss, *args, **kwargs)
@@ -256,6 +281,53 @@ def _patch(accelerate):
     cls.wait_for_everyone, cls.end_training = wait_for_everyone_, end_training_
 
 
+_profiler = []
+
+
+def _profile(calls):
+    """PROBE_PROFILE_STEP=K: start torch.profiler at the K-th backward call, stop and export at the next."""
+    step = int(os.environ.get("PROBE_PROFILE_STEP") or 0)
+    if not step:
+        return
+    import torch
+
+    if calls == step:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.synchronize()
+        prof = torch.profiler.profile(activities=activities)
+        prof.start()
+        _profiler.append((prof, time.time()))
+    elif calls == step + 1 and _profiler:
+        prof, start = _profiler.pop()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        prof.stop()
+        _state["profile"] = {"step": step, "wall_s": round(time.time() - start, 4)}
+        try:
+            prof.export_chrome_trace(f"{OUT}.trace.json")
+            import gzip
+            import shutil
+
+            with open(f"{OUT}.trace.json", "rb") as src, gzip.open(f"{OUT}.trace.json.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.remove(f"{OUT}.trace.json")
+        except Exception as e:
+            _state["profile"]["error"] = repr(e)
+
+
+def _stream_prefetch(streamer_module):
+    depth = int(os.environ["PROBE_STREAM_PREFETCH"])
+    init = streamer_module.Streamer.__init__
+
+    def __init__(self, device, prefetch=1):
+        init(self, device, prefetch=depth)
+
+    streamer_module.Streamer.__init__ = __init__
+    _state["stream_prefetch"] = depth
+
+
 def _on_sigterm(signum, frame):
     mark("SIGTERM")
     write()
@@ -270,6 +342,10 @@ def install():
         import wrapt
 
         wrapt.register_post_import_hook(_patch, "accelerate")
+    if os.environ.get("PROBE_STREAM_PREFETCH"):
+        import wrapt
+
+        wrapt.register_post_import_hook(_stream_prefetch, "accel_ds_fix.streaming.streamer")
     threading.Thread(target=_sampler, args=(float(os.environ.get("PROBE_SAMPLE_S", "1")),), daemon=True).start()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
