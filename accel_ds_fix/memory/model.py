@@ -263,6 +263,7 @@ class StreamSplit:
     streamed_prepared: int  # the prepared models' frozen weights streamed: crossing for the forward and the backward
     streamed_beside: int  # the models the script keeps beside them (T5, the VAE), streamed: crossing once a step
     in_flight: int  # blocks on the card while streaming (the one computing and the next one copied)
+    prepared: int = 0  # the prepared models' frozen weights, kept and streamed
 
     @property
     def streamed(self):
@@ -274,17 +275,43 @@ class StreamSplit:
 
 
 def stream_split(work, s):
-    """The streaming tier's split: the prepared models' frozen weights are kept on the card first (used in the
-    forward and again in the backward), then the models the script keeps beside them (used once a step), within
-    s.frozen_on_card (None: none kept, the least the card needs; `plan` sets it to what the card leaves)."""
+    """The streaming tier's split, as the run keeps blocks (streaming/engine_build.keep_first): the models the
+    script keeps beside the prepared ones (T5, the VAE: used once a step, with little computation to hide their
+    copies) are kept on the card first, then the prepared models' frozen weights, within s.frozen_on_card (None:
+    none kept, the least the card needs; `plan` sets it to what the card leaves)."""
     prepared = s.half_bytes * (work.params - work.trainable)
     budget = s.frozen_on_card or 0
-    kept_prepared = min(prepared, budget)
-    kept_beside = min(work.frozen_on_gpu, budget - kept_prepared)
+    kept_beside = min(work.frozen_on_gpu, budget)
+    kept_prepared = min(prepared, budget - kept_beside)
     streamed = prepared + work.frozen_on_gpu - kept_prepared - kept_beside
     block = work.largest_block or s.half_bytes * work.largest_weight * 8
     return StreamSplit(kept_prepared + kept_beside, prepared - kept_prepared, work.frozen_on_gpu - kept_beside,
-                       min(streamed, 2 * block) if streamed else 0)
+                       min(streamed, 2 * block) if streamed else 0, prepared)
+
+
+# The forward's share of a step's computation under gradient checkpointing: the forward, its recomputation in the
+# backward and the backward itself (twice the forward's work)
+FORWARD_SHARE = 1 / 4
+
+
+def stream_step(split, h2d_bytes_per_second, compute_seconds):
+    """(seconds a step, seconds of copies the computation does not hide) under the streaming tier, for a step
+    whose computation takes ``compute_seconds`` on the card (the same script's step where the whole model fits).
+
+    Each streamed block is copied while the block before it computes (one ahead): its copy hides behind that
+    block's computation, the excess waits. The prepared models' streamed blocks cross for the forward, where they
+    compute a quarter of the step's work in proportion to their share of the frozen weights, and again for the
+    recomputation and backward (three quarters); the models beside them (T5, the VAE) compute next to nothing and
+    wait for their copies whole."""
+    bw = h2d_bytes_per_second
+    if not split.streamed:
+        return compute_seconds, 0.0
+    share = split.streamed_prepared / split.prepared if split.prepared else 0.0
+    copy = split.streamed_prepared / bw
+    forward = max(0.0, copy - share * FORWARD_SHARE * compute_seconds)
+    backward = max(0.0, copy - share * (1 - FORWARD_SHARE) * compute_seconds)
+    unhidden = forward + backward + split.streamed_beside / bw
+    return compute_seconds + unhidden, unhidden
 
 
 def resume_extra(work, s, device="cuda"):

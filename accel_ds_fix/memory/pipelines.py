@@ -6,7 +6,6 @@ rank r adds. Read from model_index.json and the safetensors headers; no weights 
 import dataclasses
 import json
 import os
-import re
 
 from ..streaming import blocks
 from . import model_files

@@ -63,6 +63,17 @@ def _slots(block):
     return [where[id(p)] for p in block.params]
 
 
+def keep_first(by_model):
+    """The blocks in the order the card keeps them ([(blocks, prepared)] in prepare()'s order, the models held beside
+    them last): what computes least for its bytes first, as its copies have least to hide behind. The models beside
+    (Flux's and SD3's T5, the VAE: used once a step, on a prompt of 77 - 512 tokens) then the prepared ones from the
+    smallest (the text encoders) to the largest (the denoiser, thousands of tokens, whose copies its own computation
+    hides in the backward), so that what streams is the denoiser's last blocks (docs/how-it-works.md)."""
+    beside = [blocks for blocks, prepared in by_model if not prepared]
+    prepared = sorted((blocks for blocks, prepared in by_model if prepared), key=lambda bs: sum(b.nbytes for b in bs))
+    return [b for blocks in beside + prepared for b in blocks]
+
+
 @contextlib.contextmanager
 def while_engine_is_built(models, labels, others, config, dtype, device, engine_bytes=0, prefetch=1):
     """Around the engine's build under a streaming config: ``models`` (prepared, trained in ``dtype``) and
@@ -74,14 +85,15 @@ def while_engine_is_built(models, labels, others, config, dtype, device, engine_
         yield None
         return
     device = torch.device(device)
-    candidates, final = [], {}
+    by_model, final = [], {}
     everything = 0
     for model, label in list(zip(models, labels)) + [(m, type(m).__name__) for m, _ in others]:
         kind = dtype if any(model is m for m in models) else None
         for p in model.parameters():
             final[id(p)] = kind or p.dtype
             everything += _bytes(p, final[id(p)])
-        candidates += found_blocks.find(model, label, lambda p: _bytes(p, final[id(p)]))
+        by_model.append((found_blocks.find(model, label, lambda p: _bytes(p, final[id(p)])), kind is not None))
+    candidates = keep_first(by_model)
     on_card, why = _on_card_budget(settings, device, everything, candidates, engine_bytes, prefetch)
     resident, streamed = found_blocks.split(candidates, on_card)
     streamer = Streamer(device, prefetch)

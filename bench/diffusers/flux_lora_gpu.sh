@@ -18,7 +18,8 @@
 #       rank 16 (the text encoders' LoRA too), lr 1e-4, 1024 px, zero2-stream. TINY=1: make_tiny_pipeline.py's
 #       sd3 / sdxl at 64 px.
 # A run in RUNS may carry tags after dots: st.prof (PROBE_PROFILE_STEP=$PROFILE_STEP, default 3: one step's chrome
-# trace and bench/stream_profile.py's summary of it), st.pf2 (the streamer two blocks ahead), st.exp
+# trace and bench/stream_profile.py's summary of it), st.pf2 (the streamer two blocks ahead), st.pfirst (the
+# prepared models' blocks kept on the card before T5's and the VAE's, the order before keep_first), st.exp
 # (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); its files are named with _ for the dots.
 # Each run's report from bench/diffusers/script_probe.py (losses, step times, peak GPU allocated/reserved, host
 # VmHWM and anonymous memory, at the end of training and for the whole process) goes to $RES/<P>NAME.json, its log
@@ -427,6 +428,7 @@ for run in $RUNS; do
         case $tag in
             prof) env+=("PROBE_PROFILE_STEP=${PROFILE_STEP:-3}") ;;
             pf2) env+=("PROBE_STREAM_PREFETCH=2") ;;
+            pfirst) env+=("PROBE_STREAM_ORDER=prepared") ;;
             exp) env+=("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True") ;;
             *) note "unknown tag $tag of $run" ;;
         esac

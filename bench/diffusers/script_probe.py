@@ -22,6 +22,8 @@ Settings (environment):
   whole step: the backward, the optimizer, the next batch's encoders and forward); the chrome trace goes to
   PROBE_OUT + ".trace.json.gz" (bench/stream_profile.py reads it: the card's computing, the copies, their overlap).
 - PROBE_STREAM_PREFETCH=N: the streaming tier's streamer prefetches N blocks ahead instead of 1 (a bench knob).
+- PROBE_STREAM_ORDER=prepared: the streaming tier keeps the prepared models' blocks on the card before those of the
+  models beside them (T5, the VAE), the order before keep_first (a bench knob, to compare).
 
 The report: every loss passed to accelerator.backward and the time of each call (step_times: the seconds between
 calls, i.e. one optimizer step each without gradient accumulation; under DeepSpeed, accelerate's backward also
@@ -201,7 +203,8 @@ def report():
             "median_step_s_after_first": _median(steps[1:]) if len(steps) > 1 else _median(steps),
             "first_backward_s": round(times[0] - T0, 3) if times else None, "peaks": peaks, "phases": phases,
             "marks": _state["marks"], "samples": _state["samples"], "streaming": _streaming(),
-            "profile": _state.get("profile"), "stream_prefetch": _state.get("stream_prefetch")}
+            "profile": _state.get("profile"), "stream_prefetch": _state.get("stream_prefetch"),
+            "stream_order": _state.get("stream_order")}
 
 
 def _streaming():
@@ -328,6 +331,12 @@ def _stream_prefetch(streamer_module):
     _state["stream_prefetch"] = depth
 
 
+def _prepared_first(engine_build):
+    engine_build.keep_first = lambda by_model: [b for blocks, prepared in sorted(by_model, key=lambda m: not m[1])
+                                                for b in blocks]
+    _state["stream_order"] = "prepared first"
+
+
 def _on_sigterm(signum, frame):
     mark("SIGTERM")
     write()
@@ -346,6 +355,10 @@ def install():
         import wrapt
 
         wrapt.register_post_import_hook(_stream_prefetch, "accel_ds_fix.streaming.streamer")
+    if os.environ.get("PROBE_STREAM_ORDER") == "prepared":
+        import wrapt
+
+        wrapt.register_post_import_hook(_prepared_first, "accel_ds_fix.streaming.engine_build")
     threading.Thread(target=_sampler, args=(float(os.environ.get("PROBE_SAMPLE_S", "1")),), daemon=True).start()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
