@@ -166,6 +166,28 @@ def test_a_block_too_large_is_cut_at_its_inner_lists_as_plan_cuts_the_checkpoint
     assert largest == max(b.nbytes // 2 for b in found) == 2 * 8 * 8 + 2 * (4 * 4 + 16 * 16)  # up_blocks.1: whole
 
 
+@pytest.mark.quick
+def test_the_card_keeps_first_what_computes_least_for_its_bytes():
+    """T5 and the VAE (beside, once a step) before the text encoders before the denoiser, whose last blocks stream;
+    the plan's split keeps the same: T5 whole before any of the transformer."""
+    from accel_ds_fix.memory import model as memory_model
+    from accel_ds_fix.streaming import engine_build
+
+    def model(label, n, size):
+        return [blocks.Block(None, f"{label}.{i}", [], size) for i in range(n)]
+
+    denoiser, clip, t5 = model("transformer", 4, 100), model("clip", 2, 10), model("t5", 2, 50)
+    order = engine_build.keep_first([(denoiser, True), (clip, True), (t5, False)])
+    assert [b.name for b in order] == ["t5.0", "t5.1", "clip.0", "clip.1", "transformer.0", "transformer.1",
+                                       "transformer.2", "transformer.3"]
+    resident, streamed = blocks.split(order, 320)
+    assert [b.name for b in streamed] == ["transformer.2", "transformer.3"]
+
+    work = memory_model.Workload(params=1000, trainable=0, frozen_on_gpu=300)
+    split = memory_model.stream_split(work, memory_model.Settings(stage=2, half_bytes=2, frozen_on_card=500))
+    assert split.streamed_beside == 0 and split.streamed_prepared == 2000 - 200 and split.prepared == 2000
+
+
 def test_a_streamed_checkpoint_resumes_under_the_other_tiers_and_theirs_under_streaming(tmp_path):
     """About 30 s. A save_state under zero2-stream (every block streamed) before step 2, loaded by the same script
     under zero2-offload (the same ZeRO layout, nothing streamed) and under zero3-offload (another layout: the

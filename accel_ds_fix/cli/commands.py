@@ -161,10 +161,12 @@ def _plan_parser(sub):
                    help="the card's copy bandwidth from pinned host memory, GB/s, for the zero2-stream tier's step "
                         "(default: measured on this machine's card where --gpu-memory is not given, else "
                         f"{advice.DEFAULT_H2D_GBPS:g}, a PCIe 4.0 x16 slot)")
-    p.add_argument("--compute-seconds", type=float, default=disk_speed.DEFAULT_COMPUTE_SECONDS,
-                   help="seconds of a training step outside the disk (forward, backward, CPU Adam; default "
-                        f"{disk_speed.DEFAULT_COMPUTE_SECONDS}: SD1.5 at 512 px on a datacenter GPU with a 16-core host; a "
-                        "laptop GPU is slower)")
+    p.add_argument("--compute-seconds", type=float,
+                   help="seconds of a training step's computation: for zero3-nvme the step outside the disk "
+                        f"(forward, backward, CPU Adam; default {disk_speed.DEFAULT_COMPUTE_SECONDS}: SD1.5 at 512 px "
+                        "on a datacenter GPU with a 16-core host; a laptop GPU is slower); for zero2-stream the same "
+                        "script's step on a card that holds the whole model, from which the plan gives the streamed "
+                        "step")
 
 
 def _h2d_gbps(args):
@@ -211,7 +213,7 @@ def _plan(args):
     # DeepSpeed, imported for the NVMe tier's checks, logs to stdout: keep stdout for the plan (and its JSON).
     with contextlib.redirect_stdout(sys.stderr):
         rows, recommended = advice.plan(work, machine, args.mixed_precision, args.num_processes, nvme_path,
-                                        h2d_gbps=args.h2d_gbps)
+                                        h2d_gbps=args.h2d_gbps, compute_seconds=args.compute_seconds)
         timing = _nvme_timing(args, work, rows) if args.nvme_path else None
     chosen = args.tier or recommended
     row = next((r for r in rows if r["tier"] == chosen), {})
@@ -316,12 +318,13 @@ def _nvme_timing(args, work, rows):
     speed = disk_speed.measure(args.nvme_path, section(config, "aio"))
     settings = memory_model.Settings.from_config(config, args.mixed_precision, args.num_processes)
     kept, _ = memory_model.kept_in_ram(work, settings)
+    compute = args.compute_seconds if args.compute_seconds is not None else disk_speed.DEFAULT_COMPUTE_SECONDS
     return {"measured": True, "folder": args.nvme_path, "read_gb_per_s": round(speed.read / 1e9, 3),
             "write_gb_per_s": round(speed.write / 1e9, 3), "both_gb_per_s": round(speed.both / 1e9, 3),
-            "disk": speed.describe(), "pipelined": settings.pipelined, "compute_seconds": args.compute_seconds,
+            "disk": speed.describe(), "pipelined": settings.pipelined, "compute_seconds": compute,
             "steps": args.steps, "kept_in_ram_gib": round(settings.nvme_ram / GIB, 2),
             "trained_in_ram": kept * settings.world_size,
-            "per_accumulation": advice.nvme_step_times(work, speed, args.compute_seconds, args.steps, settings)}
+            "per_accumulation": advice.nvme_step_times(work, speed, compute, args.steps, settings)}
 
 
 def _print_timing(timing, args):

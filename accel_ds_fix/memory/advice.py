@@ -123,10 +123,11 @@ def _frozen_on_card(work, settings, machine):
 
 
 def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_NVME_PATH, here=True,
-         h2d_gbps=DEFAULT_H2D_GBPS):
+         h2d_gbps=DEFAULT_H2D_GBPS, compute_seconds=None):
     """One row per tier, fastest first, and the name of the first that fits and can run here (or None).
     ``here``: False for a machine on paper (the grid): this machine's libaio and disk are not asked.
-    ``h2d_gbps``: the card's copy bandwidth from pinned host memory, for the streaming tier's step."""
+    ``h2d_gbps``: the card's copy bandwidth from pinned host memory, ``compute_seconds``: the same script's step on
+    a card that holds the whole model, for the streaming tier's step."""
     rows = []
     for tier in TIERS:
         config = tier.deepspeed_config(nvme_path)
@@ -151,14 +152,21 @@ def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_
         checkpoint = memory_model.checkpoint_bytes(work, settings)
         cannot, notes = _can_run_here(config, p, checkpoint, world_size) if here else ([], [])
         stream = memory_model.stream_split(work, settings) if settings.stream else None
+        step = None
         if stream is not None and stream.streamed:
             copies = stream.per_step / (h2d_gbps * 1e9)
+            if compute_seconds:
+                step, unhidden = memory_model.stream_step(stream, h2d_gbps * 1e9, compute_seconds)
+                when = (f"with --compute-seconds {compute_seconds:g}, about {step:.2f} s a step: {unhidden:.2f} s of "
+                        f"copies that the computation does not hide")
+            else:
+                when = ("a step takes its computation and the part of the copies it does not hide (--compute-seconds "
+                        "S, the same script's step on a card that holds it all, gives the step)")
             notes = notes + [
                 f"streams {stream.streamed / GIB:.1f} GiB of frozen weights from pinned host memory, keeps "
-                f"{stream.kept / GIB:.1f} GiB on the card: {stream.per_step / GIB:.1f} GiB cross each step (the "
-                f"prepared models' twice, for the forward and the backward), {copies:.2f} s at {h2d_gbps:g} GB/s "
-                f"(--h2d-gbps): a step takes between the longer of its computation and {copies:.2f} s, and their sum "
-                f"(docs/gpu.md run 17: Flux.1-dev's LoRA in 16 GiB, 1.26 - 2.0x the uncapped card's step)"]
+                f"{stream.kept / GIB:.1f} GiB on the card (first the models the script keeps beside the prepared ones, "
+                f"T5 and the VAE, then the text encoders, then the denoiser's first blocks): {stream.per_step / GIB:.1f} GiB cross each step (the prepared models' "
+                f"twice, for the forward and the backward), {copies:.2f} s at {h2d_gbps:g} GB/s (--h2d-gbps); {when}"]
         rows.append({
             "tier": tier.name,
             "title": tier.title,
@@ -173,6 +181,7 @@ def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_
             "streamed_gib": round(stream.streamed / GIB, 2) if stream else 0,
             "streamed_per_step_gib": round(stream.per_step / GIB, 2) if stream else 0,
             "copy_seconds_per_step": round(stream.per_step / (h2d_gbps * 1e9), 2) if stream else 0,
+            "stream_step_seconds": round(step, 2) if step else None,
             "fits_gpu": fits_gpu,
             "fits_host": fits_host,
             "fits_host_training": bool(machine.host_usable) and p.host <= machine.host_usable,
