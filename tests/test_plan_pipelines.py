@@ -156,7 +156,7 @@ def test_the_base_a_lora_script_moves_to_the_card_before_prepare_bounds_zero2_no
 def test_lora_rank_needs_a_pipeline_folder(tmp_path):
     proc = run([sys.executable, "-m", "accel_ds_fix", "plan", "--params", "983M", "--lora-rank", "8",
                 "--gpu-memory", "8GiB", "--host-memory", "16GiB"], check=False)
-    assert proc.returncode == 2 and "--lora-rank and --no-text-encoder need --model" in proc.stderr
+    assert proc.returncode == 2 and "--lora-rank, --no-text-encoder and --resolution need --model" in proc.stderr
 
 
 def test_a_lora_on_a_base_bigger_than_the_card_streams_and_the_plan_says_how_much(tmp_path):
@@ -173,10 +173,11 @@ def test_a_lora_on_a_base_bigger_than_the_card_streams_and_the_plan_says_how_muc
                                     compute_seconds=1.12)
     row = {r["tier"]: r for r in rows}["zero2-stream"]
     assert recommended == "zero2-stream" and not {r["tier"]: r for r in rows}["zero2-offload"]["fits_gpu"]
-    assert 10 <= row["frozen_on_card_gib"] <= 12 and row["gpu_reserved_gib"] <= 15.5
-    # T5 (8.9 GiB) kept whole: only the transformer streams, twice a step
-    assert row["streamed_per_step_gib"] == pytest.approx(2 * row["streamed_gib"], abs=0.05)
-    assert 38 <= row["streamed_per_step_gib"] <= 43 and 0.7 <= row["copy_seconds_per_step"] <= 0.85
+    # the card less 4 GiB for activations and the allocator's 8 % (run 19: 15.46 GiB reserved with 3 GiB kept free)
+    assert 8 <= row["frozen_on_card_gib"] <= 10 and row["gpu_reserved_gib"] <= 15.5
+    # T5 (8.9 GiB) kept nearly whole: the transformer streams, twice a step
+    assert 2 * row["streamed_gib"] - 1 <= row["streamed_per_step_gib"] <= 2 * row["streamed_gib"]
+    assert 40 <= row["streamed_per_step_gib"] <= 46 and 0.75 <= row["copy_seconds_per_step"] <= 0.9
     # the step: the computation, and the copies it does not hide (the forward's share of them)
     assert 1.12 < row["stream_step_seconds"] < 1.12 + row["copy_seconds_per_step"] / 2
     # the pinned host copies are the host's part, beside the optimizer's; the load's peak is the larger
@@ -194,6 +195,6 @@ def test_plan_writes_the_streaming_split_it_predicts(tmp_path):
     assert out["recommended"] == "zero2-stream"
     row = next(r for r in out["tiers"] if r["tier"] == "zero2-stream")
     written = json.loads((tmp_path / "ds_zero2_stream.json").read_text())
-    assert written["accel_ds_fix"] == {"stream_frozen_weights": True, "card_reserve_gib": 3,
+    assert written["accel_ds_fix"] == {"stream_frozen_weights": True, "card_reserve_gib": 4,
                                        "frozen_on_card_gib": row["frozen_on_card_gib"]}
     assert row["frozen_on_card_gib"] > 5

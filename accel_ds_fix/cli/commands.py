@@ -161,6 +161,10 @@ def _plan_parser(sub):
                    help="the card's copy bandwidth from pinned host memory, GB/s, for the zero2-stream tier's step "
                         "(default: measured on this machine's card where --gpu-memory is not given, else "
                         f"{advice.DEFAULT_H2D_GBPS:g}, a PCIe 4.0 x16 slot)")
+    p.add_argument("--resolution", type=_positive_int,
+                   help="with a pipeline --model: the training resolution (the scripts' --resolution), for the "
+                        "activation estimate, which grows with its square (default: the family's usual one: 512 "
+                        "for Flux and SD3, 1024 for SDXL)")
     p.add_argument("--compute-seconds", type=float,
                    help="seconds of a training step's computation: for zero3-nvme the step outside the disk "
                         f"(forward, backward, CPU Adam; default {disk_speed.DEFAULT_COMPUTE_SECONDS}: SD1.5 at 512 px "
@@ -185,11 +189,12 @@ def _plan(args):
     if args.model:
         described = advice.describe_model(args.model, not args.no_text_encoder, args.lora_rank or 0,
                                           args.mixed_precision,
-                                          advice.parse_bytes(args.activations) if args.activations else None)
+                                          advice.parse_bytes(args.activations) if args.activations else None,
+                                          args.resolution)
     else:
-        if args.lora_rank or args.no_text_encoder:
-            raise ValueError("--lora-rank and --no-text-encoder need --model (a pipeline folder); with --params, give "
-                             "--trainable")
+        if args.lora_rank or args.no_text_encoder or args.resolution:
+            raise ValueError("--lora-rank, --no-text-encoder and --resolution need --model (a pipeline folder); with "
+                             "--params, give --trainable (and --activations)")
         params = advice.parse_count(args.params)
         described = advice.Described(memory_model.Workload(
             params=params, trainable=params, largest_trainable=min(params, memory_model.SD15_LARGEST_TENSOR),

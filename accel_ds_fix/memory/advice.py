@@ -6,6 +6,7 @@ import dataclasses
 import os
 import re
 
+from ..deepspeed_config import STREAM_ALLOCATOR_SLACK
 from ..nvme import disk_speed
 from ..nvme import prerequisites as nvme_prerequisites
 from . import model as memory_model
@@ -115,7 +116,9 @@ def _frozen_on_card(work, settings, machine):
     card_reserve_gib stays free for activations and the step's temporaries (the family's activation estimate is
     at its usual resolution: 1024 px needs more)."""
     least = memory_model.predict(work, dataclasses.replace(settings, frozen_on_card=0), "cuda")
-    room = max(0, machine.gpu_usable - least.gpu_reserved - max(0, settings.card_reserve - work.activations))
+    # what the caching allocator keeps beside the allocated comes off the card first, as in the run
+    usable = int(machine.gpu_usable / STREAM_ALLOCATOR_SLACK)
+    room = max(0, usable - least.gpu_allocated - max(0, settings.card_reserve - work.activations))
     frozen = settings.half_bytes * (work.params - work.trainable) + work.frozen_on_gpu
     if room >= frozen:  # all of them: rounded up, so that none streams for a rounding
         return -(-frozen // (GIB // 4)) / 4
@@ -223,11 +226,14 @@ class Described:
     frozen: tuple = ()  # (component, bytes) the script keeps on the card outside prepare()
 
 
-def describe_model(path, train_text_encoder=True, lora_rank=0, mixed_precision="fp16", activations=None):
+def describe_model(path, train_text_encoder=True, lora_rank=0, mixed_precision="fp16", activations=None,
+                   resolution=None):
     """The workload of training the model at ``path`` as its scripts do. A Flux, SD3/SD3.5, SDXL or SD1.x
     pipeline folder is counted per component (``train_text_encoder``, ``lora_rank``: the scripts' flags); other
     folders and files count every parameter as trained. ``activations``: bytes, or None for the family's
-    estimate (SD1.5's measured figure elsewhere)."""
+    estimate (SD1.5's measured figure elsewhere) at ``resolution`` (pixels a side; None: the family's usual one),
+    which grows with the latent's tokens, the square of the side (SD3.5-large's LoRA: 3.6 GiB measured at 1024 px,
+    the family's 1.0 at 512 scaled to 4.0; docs/gpu.md run 19)."""
     family = None
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "model_index.json")):
         family = pipelines.family_of(path)
@@ -246,10 +252,16 @@ def describe_model(path, train_text_encoder=True, lora_rank=0, mixed_precision="
                                  largest_weight=c.largest_weight, weight_bytes=c.weight_bytes, frozen_on_gpu=c.frozen_on_gpu,
                                  moved_before_prepare=c.moved_before_prepare, loaded_bytes=c.loaded_bytes,
                                  largest_block=c.largest_block,
-                                 activations=family.activations if activations is None else activations)
+                                 activations=_activations(family, resolution) if activations is None else activations)
     how = f"LoRA rank {lora_rank}" if lora_rank else "full fine-tune"
     encoders = "with its text encoder(s)" if train_text_encoder else "text encoders frozen"
     return Described(work, f"{c.describe()}; {how}, {encoders}", family, c.frozen_what)
+
+
+def _activations(family, resolution):
+    if not resolution:
+        return family.activations
+    return int(family.activations * (resolution / family.resolution) ** 2)
 
 
 def _closest(rows):

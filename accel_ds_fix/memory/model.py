@@ -10,6 +10,7 @@ else 4), m: bytes of master weights and their gradients (4, or 2 with *_master_w
 import dataclasses
 
 from .. import versions
+from ..deepspeed_config import STREAM_ALLOCATOR_SLACK
 from ..deepspeed_config import Settings  # noqa: F401  (the model's input, read from the DeepSpeed config)
 from ..nvme import sub_groups_in_ram
 
@@ -242,7 +243,9 @@ def predict(work, s, device="cuda", host_baseline=None):
         gpu_alloc = max(build, train)
         # ZeRO-1/2: reserved = allocated with the fix's release of ZeRO's freed blocks (merge/gpu_block_release.py);
         # ZeRO-3 gathers and frees weights all the time, and the caching allocator keeps 10-35% more (measured).
-        if s.stage < 3:
+        if s.stream:
+            gpu_reserved = int(gpu_alloc * STREAM_ALLOCATOR_SLACK)
+        elif s.stage < 3:
             gpu_reserved = gpu_alloc
         else:
             factor = STAGE3_RESERVED_WEIGHTS_ON_GPU if s.offload_param == "none" else STAGE3_RESERVED

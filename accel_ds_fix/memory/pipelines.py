@@ -41,15 +41,15 @@ FAMILIES = (
     Family("Flux.1", ("FluxPipeline",), "transformer", ("text_encoder",), ("text_encoder",),
            ("text_encoder_2",), 2,
            _ATTENTION + _JOINT + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"),
-           512, int(1.5 * GIB),
+           512, int(0.5 * GIB),  # measured: 0.5 GiB at 512 px, 2.1 at 1024 (docs/gpu.md run 19)
            "diffusers train_dreambooth_flux.py, train_dreambooth_lora_flux.py (--train_text_encoder: CLIP-L)"),
     Family("SD3 / SD3.5", ("StableDiffusion3Pipeline",), "transformer",
            ("text_encoder", "text_encoder_2", "text_encoder_3"), ("text_encoder", "text_encoder_2"),
-           ("text_encoder_3",), 4, _JOINT + _ATTENTION, 512, int(1.0 * GIB),
+           ("text_encoder_3",), 4, _JOINT + _ATTENTION, 512, int(1.0 * GIB),  # 3.6 GiB measured at 1024 px (run 19)
            "diffusers train_dreambooth_sd3.py (--train_text_encoder: all three), train_dreambooth_lora_sd3.py "
            "(CLIP-L and CLIP-G)", buffers=("pos_embed.pos_embed",)),
     Family("SDXL", ("StableDiffusionXLPipeline",), "unet", ("text_encoder", "text_encoder_2"),
-           ("text_encoder", "text_encoder_2"), (), 4, _UNET, 1024, int(2.0 * GIB),
+           ("text_encoder", "text_encoder_2"), (), 4, _UNET, 1024, int(3.1 * GIB),  # measured, docs/gpu.md run 19
            "diffusers train_dreambooth_lora_sdxl.py, kohya sdxl_train.py (--train_text_encoder: both CLIPs)"),
     Family("SD1.x / SD2.x", ("StableDiffusionPipeline",), "unet", ("text_encoder",), ("text_encoder",), (), 2,
            _UNET, 512, int(0.42 * GIB),

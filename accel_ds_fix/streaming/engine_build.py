@@ -10,7 +10,7 @@ import weakref
 import torch
 
 from .. import notices
-from ..deepspeed_config import streaming as streaming_settings
+from ..deepspeed_config import STREAM_ALLOCATOR_SLACK, streaming as streaming_settings
 from ..units import size_in_words
 from . import blocks as found_blocks, hooks
 from .host_memory import HostMemory
@@ -40,8 +40,9 @@ def _on_card_budget(settings, device, everything, candidates, engine_bytes, pref
         return float("inf"), "no card: nothing streams unless frozen_on_card_gib says how much stays"
     rest = everything - sum(b.nbytes for b in candidates)
     in_flight = (prefetch + 1) * max((b.nbytes for b in candidates), default=0)
-    budget = (_card_capacity(device) - torch.cuda.memory_allocated(device) - rest - engine_bytes - settings.reserve
-              - in_flight)
+    # what the caching allocator keeps beside the allocated comes off the card first (as `plan` counts it)
+    budget = (int(_card_capacity(device) / STREAM_ALLOCATOR_SLACK) - torch.cuda.memory_allocated(device) - rest
+              - engine_bytes - settings.reserve - in_flight)
     return max(0, budget), (f"what the card leaves beside {size_in_words(settings.reserve)} for activations "
                             f"(card_reserve_gib) and {size_in_words(rest + engine_bytes)} of trained weights, engine "
                             f"buffers and other weights")
