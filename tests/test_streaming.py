@@ -79,7 +79,7 @@ def test_streamed_training_is_plain_accelerates_and_resumes_exactly():
 def test_the_streaming_section_is_read_once_and_refused_where_it_cannot_apply():
     config = tiers.BY_NAME["zero2-stream"].deepspeed_config()
     s = deepspeed_config.streaming(config)
-    assert s.enabled and s.on_card is None and s.reserve == 3 * 2**30
+    assert s.enabled and s.on_card is None and s.reserve == 4 * 2**30
     assert memory_model.Settings.from_config(config, "bf16").stream
     with pytest.raises(ConfigError, match="frozen_on_card_gib in the DeepSpeed config is 'lots'"):
         deepspeed_config.streaming({"accel_ds_fix": {"stream_frozen_weights": True, "frozen_on_card_gib": "lots"}})
@@ -168,8 +168,8 @@ def test_a_block_too_large_is_cut_at_its_inner_lists_as_plan_cuts_the_checkpoint
 
 @pytest.mark.quick
 def test_the_card_keeps_first_what_computes_least_for_its_bytes():
-    """T5 and the VAE (beside, once a step) before the text encoders before the denoiser, whose last blocks stream;
-    the plan's split keeps the same: T5 whole before any of the transformer."""
+    """The text encoders (prepared: twice a step, little computation) before T5 and the VAE (beside, once a step)
+    before the denoiser, whose last blocks stream; the plan's split keeps the same."""
     from accel_ds_fix.memory import model as memory_model
     from accel_ds_fix.streaming import engine_build
 
@@ -178,14 +178,17 @@ def test_the_card_keeps_first_what_computes_least_for_its_bytes():
 
     denoiser, clip, t5 = model("transformer", 4, 100), model("clip", 2, 10), model("t5", 2, 50)
     order = engine_build.keep_first([(denoiser, True), (clip, True), (t5, False)])
-    assert [b.name for b in order] == ["t5.0", "t5.1", "clip.0", "clip.1", "transformer.0", "transformer.1",
+    assert [b.name for b in order] == ["clip.0", "clip.1", "t5.0", "t5.1", "transformer.0", "transformer.1",
                                        "transformer.2", "transformer.3"]
     resident, streamed = blocks.split(order, 320)
     assert [b.name for b in streamed] == ["transformer.2", "transformer.3"]
 
-    work = memory_model.Workload(params=1000, trainable=0, frozen_on_gpu=300)
+    # 1000 prepared parameters in bf16, 100 of them the text encoders', T5 beside them 300 bytes, 500 kept
+    work = memory_model.Workload(params=1000, trainable=0, frozen_on_gpu=300, frozen_smaller_prepared=200)
     split = memory_model.stream_split(work, memory_model.Settings(stage=2, half_bytes=2, frozen_on_card=500))
-    assert split.streamed_beside == 0 and split.streamed_prepared == 2000 - 200 and split.prepared == 2000
+    assert split.streamed_beside == 0 and split.streamed_prepared == 2000 - 200 - 0 and split.kept == 500
+    split = memory_model.stream_split(work, memory_model.Settings(stage=2, half_bytes=2, frozen_on_card=400))
+    assert split.streamed_beside == 100 and split.streamed_prepared == 1800 and split.prepared == 1800
 
 
 def test_a_streamed_checkpoint_resumes_under_the_other_tiers_and_theirs_under_streaming(tmp_path):

@@ -251,7 +251,7 @@ def describe_model(path, train_text_encoder=True, lora_rank=0, mixed_precision="
     work = memory_model.Workload(params=c.params, trainable=c.trainable, largest_trainable=c.largest_trainable,
                                  largest_weight=c.largest_weight, weight_bytes=c.weight_bytes, frozen_on_gpu=c.frozen_on_gpu,
                                  moved_before_prepare=c.moved_before_prepare, loaded_bytes=c.loaded_bytes,
-                                 largest_block=c.largest_block,
+                                 largest_block=c.largest_block, frozen_smaller_prepared=c.frozen_text_encoders,
                                  activations=_activations(family, resolution) if activations is None else activations)
     how = f"LoRA rank {lora_rank}" if lora_rank else "full fine-tune"
     encoders = "with its text encoder(s)" if train_text_encoder else "text encoders frozen"

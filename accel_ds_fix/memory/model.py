@@ -61,6 +61,9 @@ class Workload:
     loaded_bytes: int = 0
     # bytes of the largest block of frozen weights (a layer of a ModuleList: what streams at once); 0: unknown
     largest_block: int = 0
+    # bytes of the frozen weights of the prepared models but the largest (the text encoders a LoRA script trains
+    # beside the denoiser), which the streaming tier keeps on the card first
+    frozen_smaller_prepared: int = 0
 
 
 @dataclasses.dataclass
@@ -278,18 +281,20 @@ class StreamSplit:
 
 
 def stream_split(work, s):
-    """The streaming tier's split, as the run keeps blocks (streaming/engine_build.keep_first): the models the
-    script keeps beside the prepared ones (T5, the VAE: used once a step, with little computation to hide their
-    copies) are kept on the card first, then the prepared models' frozen weights, within s.frozen_on_card (None:
-    none kept, the least the card needs; `plan` sets it to what the card leaves)."""
+    """The streaming tier's split, as the run keeps blocks (streaming/engine_build.keep_first): the frozen weights
+    of the prepared models but the largest (the text encoders) are kept on the card first, then the models the
+    script keeps beside them (T5, the VAE: used once a step), then the largest prepared model's (the denoiser),
+    within s.frozen_on_card (None: none kept, the least the card needs; `plan` sets it to what the card leaves)."""
     prepared = s.half_bytes * (work.params - work.trainable)
     budget = s.frozen_on_card or 0
-    kept_beside = min(work.frozen_on_gpu, budget)
-    kept_prepared = min(prepared, budget - kept_beside)
+    kept_smaller = min(work.frozen_smaller_prepared, prepared, budget)
+    kept_beside = min(work.frozen_on_gpu, budget - kept_smaller)
+    kept_prepared = kept_smaller + min(prepared - kept_smaller, budget - kept_smaller - kept_beside)
     streamed = prepared + work.frozen_on_gpu - kept_prepared - kept_beside
     block = work.largest_block or s.half_bytes * work.largest_weight * 8
+    # the streamed blocks' share of the computation: of the denoiser's (the text encoders compute next to nothing)
     return StreamSplit(kept_prepared + kept_beside, prepared - kept_prepared, work.frozen_on_gpu - kept_beside,
-                       min(streamed, 2 * block) if streamed else 0, prepared)
+                       min(streamed, 2 * block) if streamed else 0, prepared - kept_smaller)
 
 
 # The forward's share of a step's computation under gradient checkpointing: the forward, its recomputation in the

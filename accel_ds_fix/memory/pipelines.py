@@ -80,6 +80,8 @@ class Counted:
     # bytes of the largest layer of a ModuleList (a Flux double block, a T5 layer) among the frozen weights the
     # streaming tier may stream: what is on the card at once per block in flight
     largest_block: int = 0
+    # bytes of the frozen weights of the prepared text encoders (a LoRA's base): kept on the card before the rest
+    frozen_text_encoders: int = 0
 
     def describe(self):
         parts = ", ".join(f"{c} {n / 1e6:.0f}M" + (" (prepared)" if c in self.prepared else "")
@@ -147,7 +149,8 @@ def count(folder, family, train_text_encoder=False, lora_rank=0, mixed_precision
     streamable = [c for c in prepared if lora_rank] + [c for c, _ in frozen if c in shapes]
     return Counted(family, components, prepared, params, trainable, largest, largest_weight, half if lora_rank else 4,
                    sum(b for _, b in frozen), tuple(frozen), moved, loaded,
-                   max((_largest_block(shapes[c]) * half for c in streamable), default=0))
+                   max((_largest_block(shapes[c]) * half for c in streamable), default=0),
+                   sum(components[c] * half for c in prepared if c != family.denoiser) if lora_rank else 0)
 
 
 def _largest_block(shapes):

@@ -66,13 +66,20 @@ def _slots(block):
 
 def keep_first(by_model):
     """The blocks in the order the card keeps them ([(blocks, prepared)] in prepare()'s order, the models held beside
-    them last): what computes least for its bytes first, as its copies have least to hide behind. The models beside
-    (Flux's and SD3's T5, the VAE: used once a step, on a prompt of 77 - 512 tokens) then the prepared ones from the
-    smallest (the text encoders) to the largest (the denoiser, thousands of tokens, whose copies its own computation
-    hides in the backward), so that what streams is the denoiser's last blocks (docs/how-it-works.md)."""
-    beside = [blocks for blocks, prepared in by_model if not prepared]
-    prepared = sorted((blocks for blocks, prepared in by_model if prepared), key=lambda bs: sum(b.nbytes for b in bs))
-    return [b for blocks in beside + prepared for b in blocks]
+    them last): what computes least for its bytes first, as its copies would have least to hide behind. The
+    prepared models but the largest (the text encoders: their blocks would cross twice a step, for a prompt of 77
+    tokens), then the models beside (Flux's and SD3's T5, the VAE: once a step), then the largest prepared model
+    (the denoiser, thousands of tokens, whose computation hides its copies in the backward), so that what streams is
+    the denoiser's last blocks (docs/how-it-works.md; docs/gpu.md run 19: SD3.5-large's CLIP-L and CLIP-G streamed
+    behind its T5 made 167 loads a step, 1.7x the uncapped step)."""
+    def size(blocks):
+        return sum(b.nbytes for b in blocks)
+
+    prepared = [blocks for blocks, is_prepared in by_model if is_prepared]
+    beside = [blocks for blocks, is_prepared in by_model if not is_prepared]
+    largest = max(prepared, key=size) if prepared else []
+    smaller = sorted((blocks for blocks in prepared if blocks is not largest), key=size)
+    return [b for blocks in smaller + beside + [largest] for b in blocks]
 
 
 @contextlib.contextmanager
