@@ -167,8 +167,8 @@ def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_
                         "S, the same script's step on a card that holds it all, gives the step)")
             notes = notes + [
                 f"streams {stream.streamed / GIB:.1f} GiB of frozen weights from pinned host memory, keeps "
-                f"{stream.kept / GIB:.1f} GiB on the card (first the models the script keeps beside the prepared ones, "
-                f"T5 and the VAE, then the text encoders, then the denoiser's first blocks): {stream.per_step / GIB:.1f} GiB cross each step (the prepared models' "
+                f"{stream.kept / GIB:.1f} GiB on the card (first the text encoders, then the models the script keeps "
+                f"beside them, T5 and the VAE, then the denoiser's first blocks): {stream.per_step / GIB:.1f} GiB cross each step (the prepared models' "
                 f"twice, for the forward and the backward), {copies:.2f} s at {h2d_gbps:g} GB/s (--h2d-gbps); {when}"]
         rows.append({
             "tier": tier.name,

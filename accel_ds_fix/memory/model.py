@@ -269,7 +269,9 @@ class StreamSplit:
     streamed_prepared: int  # the prepared models' frozen weights streamed: crossing for the forward and the backward
     streamed_beside: int  # the models the script keeps beside them (T5, the VAE), streamed: crossing once a step
     in_flight: int  # blocks on the card while streaming (the one computing and the next one copied)
-    prepared: int = 0  # the prepared models' frozen weights, kept and streamed
+    # the frozen weights whose computation hides the streamed ones' copies: the prepared models' less the text
+    # encoders kept first (they compute next to nothing)
+    prepared: int = 0
 
     @property
     def streamed(self):
@@ -292,7 +294,6 @@ def stream_split(work, s):
     kept_prepared = kept_smaller + min(prepared - kept_smaller, budget - kept_smaller - kept_beside)
     streamed = prepared + work.frozen_on_gpu - kept_prepared - kept_beside
     block = work.largest_block or s.half_bytes * work.largest_weight * 8
-    # the streamed blocks' share of the computation: of the denoiser's (the text encoders compute next to nothing)
     return StreamSplit(kept_prepared + kept_beside, prepared - kept_prepared, work.frozen_on_gpu - kept_beside,
                        min(streamed, 2 * block) if streamed else 0, prepared - kept_smaller)
 
