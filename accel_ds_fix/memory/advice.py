@@ -168,8 +168,9 @@ def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_
             notes = notes + [
                 f"streams {stream.streamed / GIB:.1f} GiB of frozen weights from pinned host memory, keeps "
                 f"{stream.kept / GIB:.1f} GiB on the card (first the text encoders, then the models the script keeps "
-                f"beside them, T5 and the VAE, then the denoiser's first blocks): {stream.per_step / GIB:.1f} GiB cross each step (the prepared models' "
-                f"twice, for the forward and the backward), {copies:.2f} s at {h2d_gbps:g} GB/s (--h2d-gbps); {when}"]
+                f"beside them, T5 and the VAE, then the denoiser's first blocks): {stream.per_step / GIB:.1f} GiB "
+                f"cross each step (the prepared models' twice, for the forward and the backward), {copies:.2f} s at "
+                f"{h2d_gbps:g} GB/s (--h2d-gbps); {when}"]
         rows.append({
             "tier": tier.name,
             "title": tier.title,
@@ -251,7 +252,7 @@ def describe_model(path, train_text_encoder=True, lora_rank=0, mixed_precision="
     work = memory_model.Workload(params=c.params, trainable=c.trainable, largest_trainable=c.largest_trainable,
                                  largest_weight=c.largest_weight, weight_bytes=c.weight_bytes, frozen_on_gpu=c.frozen_on_gpu,
                                  moved_before_prepare=c.moved_before_prepare, loaded_bytes=c.loaded_bytes,
-                                 largest_block=c.largest_block, frozen_smaller_prepared=c.frozen_text_encoders,
+                                 largest_block=c.largest_block, frozen_smaller_prepared=c.frozen_smaller_prepared,
                                  activations=_activations(family, resolution) if activations is None else activations)
     how = f"LoRA rank {lora_rank}" if lora_rank else "full fine-tune"
     encoders = "with its text encoder(s)" if train_text_encoder else "text encoders frozen"

@@ -81,7 +81,7 @@ class Counted:
     # streaming tier may stream: what is on the card at once per block in flight
     largest_block: int = 0
     # bytes of the frozen weights of the prepared text encoders (a LoRA's base): kept on the card before the rest
-    frozen_text_encoders: int = 0
+    frozen_smaller_prepared: int = 0
 
     def describe(self):
         parts = ", ".join(f"{c} {n / 1e6:.0f}M" + (" (prepared)" if c in self.prepared else "")

@@ -34,37 +34,40 @@ def _list_prefix(parts, start):
     return None
 
 
+def _groups(names, depth):
+    """{prefix up to the first list index at or after component ``depth``: [names under it]}."""
+    groups = {}
+    for name in names:
+        prefix = _list_prefix(name.split("."), depth)
+        if prefix:
+            groups.setdefault(".".join(prefix), []).append(name)
+    return groups
+
+
 def cut(elements):
     """The blocks of a model from its weights' names: ``elements`` maps each name to its element count (in the
     model's order); returns {block name: [weight names]} in that order. Names in no block stay on the card."""
     total = sum(elements.values()) or 1
+
+    def refine(block, names):
+        depth = block.count(".") + 1
+        inner = _groups(names, depth)
+        size = sum(elements[n] for n in names)
+        in_lists = sum(elements[n] for group in inner.values() for n in group)
+        # a list of lists (kohya's SDXL UNet: input_blocks.4.1) has no forward of its own: always cut; a large
+        # block where its inner lists hold nearly all of it
+        nested = all(name.split(".")[depth].isdigit() for name in names)
+        if not inner or not (nested or size > LARGEST_SHARE * total and in_lists >= INNER_LISTS_SHARE * size):
+            return {block: names}
+        found = {}
+        for child, child_names in inner.items():
+            found.update(refine(child, child_names))
+        return found
+
     blocks = {}
-    for name in elements:
-        prefix = _list_prefix(name.split("."), 0)
-        if prefix:
-            blocks.setdefault(".".join(prefix), []).append(name)
-    while True:
-        cuts = {}
-        for block, names in blocks.items():
-            depth = block.count(".") + 1
-            inner = {}
-            for name in names:
-                prefix = _list_prefix(name.split("."), depth)
-                if prefix:
-                    inner.setdefault(".".join(prefix), []).append(name)
-            size = sum(elements[n] for n in names)
-            in_lists = sum(elements[n] for group in inner.values() for n in group)
-            # a list of lists (kohya's SDXL UNet: input_blocks.4.1) has no forward of its own: always cut; a large
-            # block where its inner lists hold nearly all of it
-            nested = all(name.split(".")[depth].isdigit() for name in names)
-            if inner and (nested or size > LARGEST_SHARE * total and in_lists >= INNER_LISTS_SHARE * size):
-                cuts[block] = inner
-        if not cuts:
-            return blocks
-        refined = {}
-        for block, names in blocks.items():
-            refined.update(cuts.get(block, {block: names}))
-        blocks = refined
+    for block, names in _groups(elements, 0).items():
+        blocks.update(refine(block, names))
+    return blocks
 
 
 def find(model, label, dtype_bytes):
