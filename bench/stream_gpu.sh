@@ -34,7 +34,7 @@ for stage in ${STAGES:-bw f512 small f1024 f1024c12}; do
         bw) python3 bench/h2d_bandwidth.py | tee "$RES/bandwidth.json" ;;
         f512) flux f512 RUNS="${F512_RUNS:-st plain}" STEPS=6 ;;
         f1024) flux f1024 RUNS="${F1024_RUNS:-st plain}" STEPS=4 RESOLUTION=1024 T_PLAIN=240 ;;
-        f1024c12) flux f1024c12 RUNS="st" STEPS=4 RESOLUTION=1024 CAP=12 ;;
+        f1024c12) flux f1024c12 RUNS="${F1024C12_RUNS:-st}" STEPS=4 RESOLUTION=1024 CAP=12 ;;
         sdxl) flux sdxl KIND=sdxl RUNS="${SDXL_RUNS:-st plain st.prof}" STEPS=6 ;;
         sd35) flux sd35 KIND=sd35 RUNS="${SD35_RUNS:-st plain st.prof}" STEPS=6
               DROP_FOR_FLUX=$(ls -d /var/tmp/sd35 /root/sd35 2>/dev/null | head -1) ;;

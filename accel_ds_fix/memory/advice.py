@@ -155,13 +155,19 @@ def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_
         checkpoint = memory_model.checkpoint_bytes(work, settings)
         cannot, notes = _can_run_here(config, p, checkpoint, world_size) if here else ([], [])
         stream = memory_model.stream_split(work, settings) if settings.stream else None
-        step = None
+        step = host_bound = None
         if stream is not None and stream.streamed:
             copies = stream.per_step / (h2d_gbps * 1e9)
             if compute_seconds:
                 step, unhidden = memory_model.stream_step(stream, h2d_gbps * 1e9, compute_seconds)
                 when = (f"with --compute-seconds {compute_seconds:g}, about {step:.2f} s a step: {unhidden:.2f} s of "
                         f"copies that the computation does not hide")
+                if work.trained_tensors:
+                    host_bound = memory_model.host_bound_step(work, step)
+                    when += (f"; up to {host_bound:.2f} s where the host, not the card, bounds the step (measured so "
+                             f"on an H100 at 512 px, and for SD3.5-large and SDXL at 1024 px: ZeRO-2's own work for "
+                             f"each of the {work.trained_tensors} trained tensors, about "
+                             f"{memory_model.OFFLOAD_HOST_SECONDS_PER_TENSOR * 1e3:.2f} ms each)")
             else:
                 when = ("a step takes its computation and the part of the copies it does not hide (--compute-seconds "
                         "S, the same script's step on a card that holds it all, gives the step)")
@@ -186,6 +192,7 @@ def plan(work, machine, mixed_precision="fp16", world_size=1, nvme_path=DEFAULT_
             "streamed_per_step_gib": round(stream.per_step / GIB, 2) if stream else 0,
             "copy_seconds_per_step": round(stream.per_step / (h2d_gbps * 1e9), 2) if stream else 0,
             "stream_step_seconds": round(step, 2) if step else None,
+            "stream_step_host_bound_seconds": round(host_bound, 2) if host_bound else None,
             "fits_gpu": fits_gpu,
             "fits_host": fits_host,
             "fits_host_training": bool(machine.host_usable) and p.host <= machine.host_usable,
@@ -253,6 +260,7 @@ def describe_model(path, train_text_encoder=True, lora_rank=0, mixed_precision="
                                  largest_weight=c.largest_weight, weight_bytes=c.weight_bytes, frozen_on_gpu=c.frozen_on_gpu,
                                  moved_before_prepare=c.moved_before_prepare, loaded_bytes=c.loaded_bytes,
                                  largest_block=c.largest_block, frozen_smaller_prepared=c.frozen_smaller_prepared,
+                                 trained_tensors=c.trained_tensors,
                                  activations=_activations(family, resolution) if activations is None else activations)
     how = f"LoRA rank {lora_rank}" if lora_rank else "full fine-tune"
     encoders = "with its text encoder(s)" if train_text_encoder else "text encoders frozen"

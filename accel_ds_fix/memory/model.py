@@ -64,6 +64,7 @@ class Workload:
     # bytes of the frozen weights of the prepared models but the largest (the text encoders a LoRA script trains
     # beside the denoiser), which the streaming tier keeps on the card first
     frozen_smaller_prepared: int = 0
+    trained_tensors: int = 0  # the optimizer's tensors (a LoRA: two for each weight it wraps); 0: unknown
 
 
 @dataclasses.dataclass
@@ -321,6 +322,21 @@ def stream_step(split, h2d_bytes_per_second, compute_seconds):
     backward = max(0.0, copy - share * (1 - FORWARD_SHARE) * compute_seconds)
     unhidden = forward + backward + split.streamed_beside / bw
     return compute_seconds + unhidden, unhidden
+
+
+# What ZeRO-2 with its optimizer on the CPU adds to a step for each tensor it trains (gradient hooks, the gradients'
+# copies to the host, each tensor's norm read back to the host one by one at the step) where the host, not the card,
+# bounds the step; where the card's kernels bound it, this hides behind them. Measured on an H100 host against the
+# uncapped step without DeepSpeed, over what stream_step gives (docs/gpu.md runs 19 - 20): SDXL's LoRA at 1024 px,
+# 1472 tensors, 0.64 s with 0.17 s of copies, all hidden (0.43 ms a tensor); SD3.5-large's, 958 tensors, 0.44 -
+# 0.51 s (0.46 - 0.53 ms); Flux.1-dev's at 512 px, 780 tensors, 0.26 s (0.33 ms); at 1024 px 0.05 s (hidden).
+OFFLOAD_HOST_SECONDS_PER_TENSOR = 0.45e-3
+
+
+def host_bound_step(work, step_seconds):
+    """The streaming tier's step where the host bounds it: ``step_seconds`` (stream_step's) and the tier's own work
+    for each trained tensor."""
+    return step_seconds + work.trained_tensors * OFFLOAD_HOST_SECONDS_PER_TENSOR
 
 
 def resume_extra(work, s, device="cuda"):

@@ -82,6 +82,7 @@ class Counted:
     largest_block: int = 0
     # bytes of the frozen weights of the prepared text encoders (a LoRA's base): kept on the card before the rest
     frozen_smaller_prepared: int = 0
+    trained_tensors: int = 0  # the optimizer's tensors (a LoRA: two for each weight it wraps)
 
     def describe(self):
         parts = ", ".join(f"{c} {n / 1e6:.0f}M" + (" (prepared)" if c in self.prepared else "")
@@ -98,8 +99,8 @@ def family_of(folder):
 
 def _lora_elements(shapes, targets, rank):
     """Elements of rank-r LoRA matrices (A: r x in, B: out x r) on each 2-D weight whose module name ends in a
-    target, as peft matches them; and the largest of those matrices."""
-    total = largest = 0
+    target, as peft matches them; the largest of those matrices; and how many weights it wraps (two tensors each)."""
+    total = largest = wrapped = 0
     for key, shape in shapes.items():
         if not key.endswith(".weight") or len(shape) != 2:
             continue
@@ -108,7 +109,8 @@ def _lora_elements(shapes, targets, rank):
             out_features, in_features = shape
             total += rank * (in_features + out_features)
             largest = max(largest, rank * in_features, rank * out_features)
-    return total, largest
+            wrapped += 1
+    return total, largest, wrapped
 
 
 def count(folder, family, train_text_encoder=False, lora_rank=0, mixed_precision="bf16"):
@@ -127,15 +129,16 @@ def count(folder, family, train_text_encoder=False, lora_rank=0, mixed_precision
     prepared = (family.denoiser,) + tuple(c for c in trained_encoders if c in present)
     params = sum(components[c] for c in prepared)
     if lora_rank:
-        trainable = largest = 0
+        trainable = largest = tensors = 0
         for c in prepared:
             targets = family.lora_targets if c == family.denoiser else TEXT_ENCODER_LORA
-            n, big = _lora_elements(shapes[c], targets, lora_rank)
-            trainable, largest = trainable + n, max(largest, big)
+            n, big, wrapped = _lora_elements(shapes[c], targets, lora_rank)
+            trainable, largest, tensors = trainable + n, max(largest, big), tensors + 2 * wrapped
         params += trainable
     else:
         trainable = params
         largest = max(model_files.numel(s) for c in prepared for s in shapes[c].values())
+        tensors = sum(len(shapes[c]) for c in prepared)
     frozen = [(f"{family.denoiser} buffers", buffers * half)] if buffers else []
     if "vae" in present:
         frozen.append(("vae", components["vae"] * (family.vae_bytes if half == 2 else 4)))
@@ -150,7 +153,7 @@ def count(folder, family, train_text_encoder=False, lora_rank=0, mixed_precision
     return Counted(family, components, prepared, params, trainable, largest, largest_weight, half if lora_rank else 4,
                    sum(b for _, b in frozen), tuple(frozen), moved, loaded,
                    max((_largest_block(shapes[c]) * half for c in streamable), default=0),
-                   sum(components[c] * half for c in prepared if c != family.denoiser) if lora_rank else 0)
+                   sum(components[c] * half for c in prepared if c != family.denoiser) if lora_rank else 0, tensors)
 
 
 def _largest_block(shapes):

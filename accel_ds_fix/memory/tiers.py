@@ -94,7 +94,8 @@ TIERS = [
         "backward, block by block, while the card computes the block before; a step takes its computation and the "
         "copies it does not hide (`plan --compute-seconds S` gives the step; measured against the uncapped card "
         "without DeepSpeed: Flux.1-dev's LoRA in 16 GiB 1.1 - 1.3x at 1024 px, 1.3 - 1.7x at 512 px; "
-        "SD3.5-large's in 12 GiB 1.7x at 1024 px). Training without gradient checkpointing streams the same, at "
+        "SD3.5-large's in 12 GiB 1.4x and SDXL's in 8 GiB 1.45x at 1024 px, where ZeRO-2's own work for each trained "
+        "tensor adds to a step the host bounds). Training without gradient checkpointing streams the same, at "
         "plain accelerate's activation memory",
     ),
     Tier(

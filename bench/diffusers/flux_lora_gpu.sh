@@ -20,7 +20,9 @@
 # A run in RUNS may carry tags after dots: st.prof (PROBE_PROFILE_STEP=$PROFILE_STEP, default 3: one step's chrome
 # trace and bench/stream_profile.py's summary of it), st.pf2 (the streamer two blocks ahead), st.pfirst (the
 # prepared models' blocks kept on the card before T5's and the VAE's, the order before keep_first), st.exp
-# (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); its files are named with _ for the dots.
+# (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); its files are named with _ for the dots. Runs: z3, z3set, plain,
+# st (zero2-stream in the cap), st0 / st100 (frozen_on_card_gib 0 / 100, in the cap), res (zero2-stream uncapped
+# with nothing streamed: the tier's own cost beside plain's).
 # Each run's report from bench/diffusers/script_probe.py (losses, step times, peak GPU allocated/reserved, host
 # VmHWM and anonymous memory, at the end of training and for the whole process) goes to $RES/<P>NAME.json, its log
 # to $RES/<P>NAME.log, a summary line to $RES/<P>summary.txt; `plan`'s prediction to $RES/<P>plan.txt (and .json);
@@ -440,6 +442,9 @@ for run in $RUNS; do
         st) train "$label" "$REPO/configs/accelerate_zero2_stream.yaml" 1 "$CAP" "$T_Z3" "$SCRIPT" "${env[@]}" ;;
         st0|st100)  # zero2-stream with frozen_on_card_gib 0 (every frozen block streams) or 100 (none does)
             train "$label" "$(stream_config "${run%%.*}")" 1 "$CAP" "$T_Z3" "$SCRIPT" "${env[@]}" ;;
+        res)  # zero2-stream with nothing streamed on the uncapped card: the tier's own cost (ZeRO-2, the offloaded
+              # optimizer) beside plain accelerate's, without a copy
+            train "$label" "$(stream_config st100)" 1 "" "$T_Z3" "$SCRIPT" "${env[@]}" ;;
         plain) train "$label" "$WORK/plain.yaml" 0 "" "$T_PLAIN" "$SCRIPT_PLAIN" "${env[@]}" ;;
         *) note "unknown run $run" ;;
     esac
