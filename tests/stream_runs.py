@@ -7,7 +7,8 @@ on the CPU (one process, or the processes of a launcher), fp32. ``on_card``: GiB
 "card" (None: as the config ships, as much as the card leaves, which streams nothing without a GPU); ``tier``:
 another shipped tier instead of zero2-stream; neither: plain accelerate, no DeepSpeed. ``save_at`` (or
 ``save_steps``) / ``load_from`` with ``first_step``: a checkpoint written before that step into ``folder``, or the
-run begun there from one."""
+run begun there from one. ``nan_at``: that step's loss made NaN (DeepSpeed skips the step); ``deepspeed_reads``: DeepSpeed's
+own per-tensor reads of the gradients' flags and norms instead of the fix's single read (merge/offload_reads)."""
 
 import json
 import os
@@ -102,6 +103,12 @@ def main(options):
                           WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
     steps, clip = options.get("steps", 5), options.get("clip", 1.0)
+    if options.get("deepspeed_reads"):
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as zero
+
+        for name in ("update_offload_overflow_tracker", "has_overflow", "reset_cpu_buffers",
+                     "complete_grad_norm_calculation_for_cpu_offload"):
+            setattr(zero, name, zero.__dict__[name].__wrapped__)
     if "on_card" not in options and "tier" not in options:
         acc = Accelerator()
     else:
@@ -141,6 +148,8 @@ def main(options):
             frozen = frozen_t5(input_ids=ids.to(acc.device)).last_hidden_state.mean(1, keepdim=True)
         loss = torch.nn.functional.mse_loss(base(x.to(acc.device), text_encoder(ids.to(acc.device)) + frozen),
                                             torch.zeros_like(x).to(acc.device))
+        if step == options.get("nan_at"):
+            loss = loss * float("nan")
         acc.backward(loss)
         norms.append(float(acc.clip_grad_norm_([*base.parameters(), *text_encoder.parameters()], clip)))
         optimizer.step()
@@ -157,7 +166,14 @@ def main(options):
                 for s in streamers]
     if not acc.is_main_process:
         return
-    report = json.dumps({"losses": losses, "norms": norms, "counters": counters, "frozen_unchanged": frozen_same,
+    engine = getattr(base, "_self_engine", None)
+    reads = None
+    if engine is not None:  # whose reads of the flags and norms ran: the fix's wrapper or DeepSpeed's own
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as zero
+
+        reads = "fix" if hasattr(zero.__dict__["update_offload_overflow_tracker"], "__wrapped__") else "deepspeed"
+    report = json.dumps({"losses": losses, "norms": norms, "reads": reads,
+                         "skipped_steps": getattr(engine, "skipped_steps", None), "counters": counters, "frozen_unchanged": frozen_same,
                       "lora": {k: v.flatten().tolist() for k, v in lora.items()},
                       "text_encoder": [v.flatten().tolist() for v in accel_ds_fix.unwrap(text_encoder).state_dict().values()]})
     if options.get("out"):  # under a launcher the processes' output may interleave: a file of its own

@@ -24,11 +24,9 @@ Settings (environment):
 - PROBE_STREAM_PREFETCH=N: the streaming tier's streamer prefetches N blocks ahead instead of 1 (a bench knob).
 - PROBE_STREAM_ORDER=prepared: the streaming tier keeps the prepared models' blocks on the card before those of the
   models beside them (T5, the VAE), the order before keep_first (a bench knob, to compare).
-- PROBE_ZERO_READS=batched: ZeRO-1/2 with the optimizer on the CPU (DeepSpeed 0.19.8) reads two values of each
-  trained tensor back to the host one by one each step, each a wait for the card (whether its gradient is finite,
-  in update_offload_overflow_tracker; its norm, in complete_grad_norm_calculation_for_cpu_offload); this reads the
-  norms in one copy and keeps the finite flags on the card until the overflow check. The same values, the same
-  step (a bench knob: docs/gpu.md run 20 puts 0.3 - 0.5 ms a trained tensor on a step the host bounds).
+- PROBE_ZERO_READS=deepspeed: ZeRO-1/2 with the optimizer on the CPU reads the gradients' finite flags and norms as
+  DeepSpeed 0.19.8 does, one wait for the card per trained tensor, instead of the fix's one read a step
+  (accel_ds_fix/merge/offload_reads.py): the A/B of that change (a bench knob).
 
 The report: every loss passed to accelerator.backward and the time of each call (step_times: the seconds between
 calls, i.e. one optimizer step each without gradient accumulation; under DeepSpeed, accelerate's backward also
@@ -343,49 +341,16 @@ def _prepared_first(engine_build):
     _state["stream_order"] = "prepared first"
 
 
-def _batched_reads(stage):
-    import torch
-
-    optimizer = stage.DeepSpeedZeroOptimizer
-    has_overflow, reset = optimizer.has_overflow, optimizer.reset_cpu_buffers
-    grad_norm = optimizer.complete_grad_norm_calculation_for_cpu_offload
-
-    def update_offload_overflow_tracker(self, grad):
-        if grad is None:
-            return
-        flag = self._has_inf_or_nan(grad.data)  # a scalar on the card: no wait here
-        pending = self.__dict__.get("_probe_overflow")
-        self._probe_overflow = flag if pending is None else pending | flag
-
-    def _resolve(self):
-        pending = self.__dict__.pop("_probe_overflow", None)
-        if pending is not None and bool(pending):
-            self.local_overflow = True
-
-    def has_overflow_resolved(self, *args, **kwargs):
-        _resolve(self)
-        return has_overflow(self, *args, **kwargs)
-
-    def reset_resolved(self, *args, **kwargs):
-        _resolve(self)
-        return reset(self, *args, **kwargs)
-
-    def grad_norm_read_once(self, params):
-        norms = self.norm_for_param_grads
-        if norms:
-            keys = list(norms)
-            values = torch.stack([norms[k] for k in keys]).cpu()  # one wait, one copy; the same float32 values
-            self.norm_for_param_grads = dict(zip(keys, values.unbind()))
-        try:
-            return grad_norm(self, params)
-        finally:
-            self.norm_for_param_grads = norms
-
-    optimizer.update_offload_overflow_tracker = update_offload_overflow_tracker
-    optimizer.has_overflow = has_overflow_resolved
-    optimizer.reset_cpu_buffers = reset_resolved
-    optimizer.complete_grad_norm_calculation_for_cpu_offload = grad_norm_read_once
-    _state["zero_reads"] = "batched"
+def _deepspeed_reads(stage):
+    # the fix's wrappers (merge/offload_reads) taken off: DeepSpeed's own functions. The fix's post-import hook,
+    # registered when accel_ds_fix was imported (before this probe), has run by now.
+    optimizer, unwrapped = stage.DeepSpeedZeroOptimizer, 0
+    for name in ("update_offload_overflow_tracker", "has_overflow", "reset_cpu_buffers",
+                 "complete_grad_norm_calculation_for_cpu_offload"):
+        function = optimizer.__dict__[name]
+        unwrapped += hasattr(function, "__wrapped__")
+        setattr(optimizer, name, getattr(function, "__wrapped__", function))
+    _state["zero_reads"] = "deepspeed" if unwrapped == 4 else f"deepspeed? only {unwrapped} of 4 wrappers found"
 
 
 def _on_sigterm(signum, frame):
@@ -406,10 +371,10 @@ def install():
         import wrapt
 
         wrapt.register_post_import_hook(_stream_prefetch, "accel_ds_fix.streaming.streamer")
-    if os.environ.get("PROBE_ZERO_READS") == "batched":
+    if os.environ.get("PROBE_ZERO_READS") == "deepspeed":
         import wrapt
 
-        wrapt.register_post_import_hook(_batched_reads, "deepspeed.runtime.zero.stage_1_and_2")
+        wrapt.register_post_import_hook(_deepspeed_reads, "deepspeed.runtime.zero.stage_1_and_2")
     if os.environ.get("PROBE_STREAM_ORDER") == "prepared":
         import wrapt
 
