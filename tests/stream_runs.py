@@ -7,8 +7,9 @@ on the CPU (one process, or the processes of a launcher), fp32. ``on_card``: GiB
 "card" (None: as the config ships, as much as the card leaves, which streams nothing without a GPU); ``tier``:
 another shipped tier instead of zero2-stream; neither: plain accelerate, no DeepSpeed. ``save_at`` (or
 ``save_steps``) / ``load_from`` with ``first_step``: a checkpoint written before that step into ``folder``, or the
-run begun there from one. ``nan_at``: that step's loss made NaN (DeepSpeed skips the step); ``deepspeed_reads``: DeepSpeed's
-own per-tensor reads of the gradients' flags and norms instead of the fix's single read (merge/offload_reads)."""
+run begun there from one. ``nan_at``: that step's loss made NaN (DeepSpeed skips the step); ``deepspeed_reads``:
+DeepSpeed's own per-tensor reads of the gradients' flags and norms instead of the fix's single read
+(merge/offload_reads)."""
 
 import json
 import os

@@ -325,11 +325,13 @@ def stream_step(split, h2d_bytes_per_second, compute_seconds):
 
 
 # What ZeRO-2 with its optimizer on the CPU adds to a step for each tensor it trains (gradient hooks, the gradients'
-# copies to the host, each tensor's norm read back to the host one by one at the step) where the host, not the card,
-# bounds the step; where the card's kernels bound it, this hides behind them. Measured on an H100 host against the
-# uncapped step without DeepSpeed, over what stream_step gives (docs/gpu.md runs 19 - 20): SDXL's LoRA at 1024 px,
-# 1472 tensors, 0.64 s with 0.17 s of copies, all hidden (0.43 ms a tensor); SD3.5-large's, 958 tensors, 0.44 -
-# 0.51 s (0.46 - 0.53 ms); Flux.1-dev's at 512 px, 780 tensors, 0.26 s (0.33 ms); at 1024 px 0.05 s (hidden).
+# copies to the host, DeepSpeed's reads of each tensor's inf/NaN flag and norm back to the host) where the host, not
+# the card, bounds the step; where the card's kernels bound it, this hides behind them. Measured on an H100 host
+# against the uncapped step without DeepSpeed, over what stream_step gives (docs/gpu.md runs 19 - 20): SDXL's LoRA
+# at 1024 px, 1472 tensors, 0.64 s with 0.17 s of copies, all hidden (0.43 ms a tensor); SD3.5-large's, 958 tensors,
+# 0.44 - 0.51 s (0.46 - 0.53 ms); Flux.1-dev's at 512 px, 780 tensors, 0.26 s (0.33 ms); at 1024 px 0.05 s (hidden).
+# Fitted before the fix read the gradients' flags and norms once a step (merge/offload_reads): an upper bound until
+# a GPU run measures the step with it (docs/gpu.md, "Next GPU run").
 OFFLOAD_HOST_SECONDS_PER_TENSOR = 0.45e-3
 
 

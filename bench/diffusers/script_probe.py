@@ -272,6 +272,10 @@ def _patch(accelerate):
         _state["losses"].append(float(loss.detach().float().item()))
         _state["backward_at"].append(time.time())
         _profile(len(_state["losses"]))
+        if os.environ.get("PROBE_ZERO_READS") == "deepspeed" and "zero_reads" not in _state:
+            import deepspeed.runtime.zero.stage_1_and_2 as stage  # imported and wrapped by now: the engine is built
+
+            _deepspeed_reads(stage)
         mark("backward")
         write()
         return backward(self, loss, *args, **kwargs)
@@ -342,8 +346,8 @@ def _prepared_first(engine_build):
 
 
 def _deepspeed_reads(stage):
-    # the fix's wrappers (merge/offload_reads) taken off: DeepSpeed's own functions. The fix's post-import hook,
-    # registered when accel_ds_fix was imported (before this probe), has run by now.
+    # the fix's wrappers (merge/offload_reads) taken off: DeepSpeed's own functions. At the first backward: the fix,
+    # imported with accelerate (after this probe), has wrapped them by then, before any gradient is read.
     optimizer, unwrapped = stage.DeepSpeedZeroOptimizer, 0
     for name in ("update_offload_overflow_tracker", "has_overflow", "reset_cpu_buffers",
                  "complete_grad_norm_calculation_for_cpu_offload"):
@@ -371,10 +375,6 @@ def install():
         import wrapt
 
         wrapt.register_post_import_hook(_stream_prefetch, "accel_ds_fix.streaming.streamer")
-    if os.environ.get("PROBE_ZERO_READS") == "deepspeed":
-        import wrapt
-
-        wrapt.register_post_import_hook(_deepspeed_reads, "deepspeed.runtime.zero.stage_1_and_2")
     if os.environ.get("PROBE_STREAM_ORDER") == "prepared":
         import wrapt
 
