@@ -7,10 +7,11 @@ on the CPU (one process, or the processes of a launcher), fp32. ``on_card``: GiB
 "card" (None: as the config ships, as much as the card leaves, which streams nothing without a GPU); ``tier``:
 another shipped tier instead of zero2-stream; neither: plain accelerate, no DeepSpeed. ``save_at`` (or
 ``save_steps``) / ``load_from`` with ``first_step``: a checkpoint written before that step into ``folder``, or the
-run begun there from one. ``nan_at``: that step's loss made NaN (DeepSpeed skips the step); ``deepspeed_reads``:
-DeepSpeed's own per-tensor reads of the gradients' flags and norms instead of the fix's single read
-(merge/offload_reads)."""
+run begun there from one. ``nan_at``: that step's loss made NaN (DeepSpeed skips the step); ``accumulation``:
+batches a step (``acc.accumulate``); ``deepspeed_reads``: DeepSpeed's own per-tensor reads of the gradients' flags
+and norms instead of the fix's single read (merge/offload_reads)."""
 
+import contextlib
 import json
 import os
 import sys
@@ -88,13 +89,13 @@ def t5():
     return T5EncoderModel(config).eval()
 
 
-def config_for(tier, on_card, clip):
+def config_for(tier, on_card, clip, accumulation=1):
     config = tiers.BY_NAME[tier].deepspeed_config()
     if tier == "zero2-stream" and on_card is not None:
         config["accel_ds_fix"]["frozen_on_card_gib"] = on_card
     config["gradient_clipping"] = clip
     config["train_micro_batch_size_per_gpu"] = 2
-    config["gradient_accumulation_steps"] = 1
+    config["gradient_accumulation_steps"] = accumulation
     return config
 
 
@@ -103,7 +104,7 @@ def main(options):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"), RANK="0",
                           WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
-    steps, clip = options.get("steps", 5), options.get("clip", 1.0)
+    steps, clip, accumulation = options.get("steps", 5), options.get("clip", 1.0), options.get("accumulation", 1)
     if options.get("deepspeed_reads"):
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as zero
 
@@ -111,10 +112,10 @@ def main(options):
                      "complete_grad_norm_calculation_for_cpu_offload"):
             setattr(zero, name, zero.__dict__[name].__wrapped__)
     if "on_card" not in options and "tier" not in options:
-        acc = Accelerator()
+        acc = Accelerator(gradient_accumulation_steps=accumulation)
     else:
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-        config = config_for(options.get("tier", "zero2-stream"), options.get("on_card"), clip)
+        config = config_for(options.get("tier", "zero2-stream"), options.get("on_card"), clip, accumulation)
         acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
     set_seed(0)
     base, text_encoder, frozen_t5 = Base(options.get("checkpointing", "nonreentrant")), TextEncoder(), t5()
@@ -145,17 +146,19 @@ def main(options):
         if resume_at is not None and step == resume_at:
             acc.save_state(os.path.join(folder, "new", "checkpoint"))  # a folder that does not exist yet
             acc.load_state(os.path.join(folder, "new", "checkpoint"))
-        with torch.no_grad():
-            frozen = frozen_t5(input_ids=ids.to(acc.device)).last_hidden_state.mean(1, keepdim=True)
-        loss = torch.nn.functional.mse_loss(base(x.to(acc.device), text_encoder(ids.to(acc.device)) + frozen),
-                                            torch.zeros_like(x).to(acc.device))
-        if step == options.get("nan_at"):
-            loss = loss * float("nan")
-        acc.backward(loss)
-        norms.append(float(acc.clip_grad_norm_([*base.parameters(), *text_encoder.parameters()], clip)))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+        with acc.accumulate(base, text_encoder) if accumulation > 1 else contextlib.nullcontext():
+            with torch.no_grad():
+                frozen = frozen_t5(input_ids=ids.to(acc.device)).last_hidden_state.mean(1, keepdim=True)
+            loss = torch.nn.functional.mse_loss(base(x.to(acc.device), text_encoder(ids.to(acc.device)) + frozen),
+                                                torch.zeros_like(x).to(acc.device))
+            if step == options.get("nan_at"):
+                loss = loss * float("nan")
+            acc.backward(loss)
+            if acc.sync_gradients:  # as scripts clip: at the step that updates the weights
+                norms.append(float(acc.clip_grad_norm_([*base.parameters(), *text_encoder.parameters()], clip)))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
         losses.append(loss.item())
     unwrapped = accel_ds_fix.unwrap(base)
     state = {k: v.detach().float().cpu() for k, v in unwrapped.state_dict().items()}

@@ -75,16 +75,19 @@ def test_streamed_training_is_plain_accelerates_and_resumes_exactly():
     assert resumed["frozen_unchanged"]
 
 
-def test_gradient_flags_and_norms_read_once_train_as_deepspeeds_own_reads():
-    """About 16 s. ZeRO-2 with the optimizer on the host (zero2-offload; every offload tier of ZeRO-1/2 the same):
-    the fix reads the gradients' inf/NaN flags and norms back to the host once a step (merge/offload_reads), where
-    DeepSpeed reads them per tensor. Five steps, a decaying learning rate, clipping at 1.0 (the first step
-    clips), and a NaN loss at step 3: DeepSpeed skips that step alike, and the rest trains bit for bit."""
-    once, _ = stream_run(tier="zero2-offload", nan_at=2)
-    own, _ = stream_run(tier="zero2-offload", nan_at=2, deepspeed_reads=True)
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_gradient_flags_and_norms_read_once_train_as_deepspeeds_own_reads(accumulation):
+    """About 16 s each. ZeRO-2 with the optimizer on the host (zero2-offload; every offload tier of ZeRO-1/2 the
+    same): the fix reads the gradients' inf/NaN flags and norms back to the host once a step (merge/offload_reads),
+    where DeepSpeed reads them per tensor. Six batches, one or two a step (DeepSpeed's paths without and with
+    accumulation on the host), a decaying learning rate, clipping at 1.0, and a NaN loss in the third batch:
+    DeepSpeed skips that step alike, and the rest trains bit for bit."""
+    once, _ = stream_run(tier="zero2-offload", steps=6, accumulation=accumulation, nan_at=2)
+    own, _ = stream_run(tier="zero2-offload", steps=6, accumulation=accumulation, nan_at=2, deepspeed_reads=True)
     assert (once["reads"], own["reads"]) == ("fix", "deepspeed")
     assert once["skipped_steps"] == own["skipped_steps"] == 1
-    assert once["norms"][0] > 1.0  # clipping was at work in the first step
+    assert len(once["norms"]) == 6 // accumulation
+    assert once["norms"][0] > 1.0 or accumulation > 1  # one batch a step: clipping at work in the first
     assert repr(once["losses"]) == repr(own["losses"]) and repr(once["norms"]) == repr(own["norms"])  # nan, inf
     assert trained(once) == trained(own)
     assert all(x == x for x in trained(once))  # no NaN reached the weights
