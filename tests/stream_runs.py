@@ -105,12 +105,15 @@ def main(options):
                           WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
     steps, clip, accumulation = options.get("steps", 5), options.get("clip", 1.0), options.get("accumulation", 1)
-    if options.get("deepspeed_reads"):
-        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as zero
+    if options.get("deepspeed_reads"):  # the fix's wrappers of merge/offload_reads taken off
+        from deepspeed.runtime.zero import stage_1_and_2
 
-        for name in ("update_offload_overflow_tracker", "has_overflow", "reset_cpu_buffers",
-                     "complete_grad_norm_calculation_for_cpu_offload"):
-            setattr(zero, name, zero.__dict__[name].__wrapped__)
+        from accel_ds_fix.instrumentation import PATCHES
+
+        for path, wrapper in PATCHES[stage_1_and_2.__name__].items():
+            if "offload_reads" in wrapper:
+                owner, name = path.split(".")
+                setattr(getattr(stage_1_and_2, owner), name, getattr(stage_1_and_2, owner).__dict__[name].__wrapped__)
     if "on_card" not in options and "tier" not in options:
         acc = Accelerator(gradient_accumulation_steps=accumulation)
     else:

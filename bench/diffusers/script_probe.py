@@ -348,13 +348,16 @@ def _prepared_first(engine_build):
 def _deepspeed_reads(stage):
     # the fix's wrappers (merge/offload_reads) taken off: DeepSpeed's own functions. At the first backward: the fix,
     # imported with accelerate (after this probe), has wrapped them by then, before any gradient is read.
+    from accel_ds_fix.instrumentation import PATCHES
+
+    names = [path.split(".", 1)[1] for path, wrapper in PATCHES[stage.__name__].items() if "offload_reads" in wrapper]
     optimizer, unwrapped = stage.DeepSpeedZeroOptimizer, 0
-    for name in ("update_offload_overflow_tracker", "has_overflow", "reset_cpu_buffers",
-                 "complete_grad_norm_calculation_for_cpu_offload"):
+    for name in names:
         function = optimizer.__dict__[name]
         unwrapped += hasattr(function, "__wrapped__")
         setattr(optimizer, name, getattr(function, "__wrapped__", function))
-    _state["zero_reads"] = "deepspeed" if unwrapped == 4 else f"deepspeed? only {unwrapped} of 4 wrappers found"
+    _state["zero_reads"] = ("deepspeed" if unwrapped == len(names) else
+                            f"deepspeed? only {unwrapped} of {len(names)} wrappers found")
 
 
 def _on_sigterm(signum, frame):
