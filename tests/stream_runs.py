@@ -180,7 +180,8 @@ def main(options):
 
         reads = "fix" if hasattr(zero.__dict__["update_offload_overflow_tracker"], "__wrapped__") else "deepspeed"
     report = json.dumps({"losses": losses, "norms": norms, "reads": reads,
-                         "skipped_steps": getattr(engine, "skipped_steps", None), "counters": counters, "frozen_unchanged": frozen_same,
+                         "skipped_steps": getattr(engine, "skipped_steps", None), "counters": counters,
+                         "frozen_unchanged": frozen_same,
                       "lora": {k: v.flatten().tolist() for k, v in lora.items()},
                       "text_encoder": [v.flatten().tolist() for v in accel_ds_fix.unwrap(text_encoder).state_dict().values()]})
     if options.get("out"):  # under a launcher the processes' output may interleave: a file of its own
