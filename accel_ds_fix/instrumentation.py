@@ -62,11 +62,6 @@ PATCHES = {
     },
     "deepspeed.runtime.zero.stage_1_and_2": {
         "DeepSpeedZeroOptimizer._update_model_bit16_weights": "merge.gpu_block_release.release_after_flatten",
-        # optimizer offload: the gradients' inf/NaN flags and norms read back to the host once a step, not per tensor
-        "DeepSpeedZeroOptimizer.update_offload_overflow_tracker": "merge.offload_reads.update_overflow_tracker",
-        "DeepSpeedZeroOptimizer.has_overflow": "merge.offload_reads.resolve_overflow",
-        "DeepSpeedZeroOptimizer.reset_cpu_buffers": "merge.offload_reads.resolve_overflow",
-        "DeepSpeedZeroOptimizer.complete_grad_norm_calculation_for_cpu_offload": "merge.offload_reads.norms_read_once",
     },
     # ZeRO-3 NVMe optimizer offload: the step's gradients from host memory, not a write and read on the disk
     "deepspeed.runtime.zero.stage3": {

@@ -7,9 +7,8 @@ on the CPU (one process, or the processes of a launcher), fp32. ``on_card``: GiB
 "card" (None: as the config ships, as much as the card leaves, which streams nothing without a GPU); ``tier``:
 another shipped tier instead of zero2-stream; neither: plain accelerate, no DeepSpeed. ``save_at`` (or
 ``save_steps``) / ``load_from`` with ``first_step``: a checkpoint written before that step into ``folder``, or the
-run begun there from one. ``nan_at``: that step's loss made NaN (DeepSpeed skips the step); ``accumulation``:
-batches a step (``acc.accumulate``); ``deepspeed_reads``: DeepSpeed's own per-tensor reads of the gradients' flags
-and norms instead of the fix's single read (merge/offload_reads)."""
+run begun there from one. ``nan_at``: that batch's loss made NaN (DeepSpeed skips the step); ``accumulation``:
+batches a step (``acc.accumulate``)."""
 
 import contextlib
 import json
@@ -105,15 +104,6 @@ def main(options):
                           WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
     steps, clip, accumulation = options.get("steps", 5), options.get("clip", 1.0), options.get("accumulation", 1)
-    if options.get("deepspeed_reads"):  # the fix's wrappers of merge/offload_reads taken off
-        from deepspeed.runtime.zero import stage_1_and_2
-
-        from accel_ds_fix.instrumentation import PATCHES
-
-        for path, wrapper in PATCHES[stage_1_and_2.__name__].items():
-            if "offload_reads" in wrapper:
-                owner, name = path.split(".")
-                setattr(getattr(stage_1_and_2, owner), name, getattr(stage_1_and_2, owner).__dict__[name].__wrapped__)
     if "on_card" not in options and "tier" not in options:
         acc = Accelerator(gradient_accumulation_steps=accumulation)
     else:
@@ -174,16 +164,11 @@ def main(options):
     if not acc.is_main_process:
         return
     engine = getattr(base, "_self_engine", None)
-    reads = None
-    if engine is not None:  # whose reads of the flags and norms ran: the fix's wrapper or DeepSpeed's own
-        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as zero
-
-        reads = "fix" if hasattr(zero.__dict__["update_offload_overflow_tracker"], "__wrapped__") else "deepspeed"
-    report = json.dumps({"losses": losses, "norms": norms, "reads": reads,
-                         "skipped_steps": getattr(engine, "skipped_steps", None), "counters": counters,
-                         "frozen_unchanged": frozen_same,
-                      "lora": {k: v.flatten().tolist() for k, v in lora.items()},
-                      "text_encoder": [v.flatten().tolist() for v in accel_ds_fix.unwrap(text_encoder).state_dict().values()]})
+    report = json.dumps({"losses": losses, "norms": norms, "skipped_steps": getattr(engine, "skipped_steps", None),
+                         "counters": counters, "frozen_unchanged": frozen_same,
+                         "lora": {k: v.flatten().tolist() for k, v in lora.items()},
+                         "text_encoder": [v.flatten().tolist()
+                                          for v in accel_ds_fix.unwrap(text_encoder).state_dict().values()]})
     if options.get("out"):  # under a launcher the processes' output may interleave: a file of its own
         with open(options["out"], "w", encoding="utf-8") as f:
             f.write(report)

@@ -330,8 +330,9 @@ def stream_step(split, h2d_bytes_per_second, compute_seconds):
 # against the uncapped step without DeepSpeed, over what stream_step gives (docs/gpu.md runs 19 - 20): SDXL's LoRA
 # at 1024 px, 1472 tensors, 0.64 s with 0.17 s of copies, all hidden (0.43 ms a tensor); SD3.5-large's, 958 tensors,
 # 0.44 - 0.51 s (0.46 - 0.53 ms); Flux.1-dev's at 512 px, 780 tensors, 0.26 s (0.33 ms); at 1024 px 0.05 s (hidden).
-# Fitted before the fix read the gradients' flags and norms once a step (merge/offload_reads): an upper bound until
-# a GPU run measures the step with it (docs/gpu.md, "Next GPU run").
+# Run 21 (as shipped: DeepSpeed's own reads): SDXL 2.11 - 2.13 s against this fit's 2.09. Those per-tensor waits
+# are not this cost: the flags and norms read once a step instead made the same step slower, 2.57 - 2.82 s, runs
+# interleaved (docs/gpu.md run 21).
 OFFLOAD_HOST_SECONDS_PER_TENSOR = 0.45e-3
 
 

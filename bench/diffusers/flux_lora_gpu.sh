@@ -20,10 +20,9 @@
 # A run in RUNS may carry tags after dots: st.prof (PROBE_PROFILE_STEP=$PROFILE_STEP, default 3: one step's chrome
 # trace and bench/stream_profile.py's summary of it), st.pf2 (the streamer two blocks ahead), st.pfirst (the
 # prepared models' blocks kept on the card before T5's and the VAE's, the order before keep_first), st.exp
-# (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), st.dsreads (PROBE_ZERO_READS=deepspeed: DeepSpeed's own
-# per-tensor reads of the gradients' flags and norms instead of the fix's one read a step); its files are named with
-# _ for the dots. Runs: z3, z3set, plain, st (zero2-stream in the cap), st0 / st100 (frozen_on_card_gib 0 / 100, in
-# the cap), res (zero2-stream uncapped with nothing streamed: the tier's own cost beside plain's).
+# (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); its files are named with _ for the dots. Runs: z3, z3set,
+# plain, st (zero2-stream in the cap), st0 / st100 (frozen_on_card_gib 0 / 100, in the cap), res (zero2-stream
+# uncapped with nothing streamed: the tier's own cost beside plain's).
 # Each run's report from bench/diffusers/script_probe.py (losses, step times, peak GPU allocated/reserved, host
 # VmHWM and anonymous memory, at the end of training and for the whole process) goes to $RES/<P>NAME.json, its log
 # to $RES/<P>NAME.log, a summary line to $RES/<P>summary.txt; `plan`'s prediction to $RES/<P>plan.txt (and .json);
@@ -433,7 +432,6 @@ for run in $RUNS; do
             pf2) env+=("PROBE_STREAM_PREFETCH=2") ;;
             pfirst) env+=("PROBE_STREAM_ORDER=prepared") ;;
             exp) env+=("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True") ;;
-            dsreads) env+=("PROBE_ZERO_READS=deepspeed") ;;
             *) note "unknown tag $tag of $run" ;;
         esac
     done

@@ -24,9 +24,6 @@ Settings (environment):
 - PROBE_STREAM_PREFETCH=N: the streaming tier's streamer prefetches N blocks ahead instead of 1 (a bench knob).
 - PROBE_STREAM_ORDER=prepared: the streaming tier keeps the prepared models' blocks on the card before those of the
   models beside them (T5, the VAE), the order before keep_first (a bench knob, to compare).
-- PROBE_ZERO_READS=deepspeed: ZeRO-1/2 with the optimizer on the CPU reads the gradients' finite flags and norms as
-  DeepSpeed 0.19.8 does, one wait for the card per trained tensor, instead of the fix's one read a step
-  (accel_ds_fix/merge/offload_reads.py): the A/B of that change (a bench knob).
 
 The report: every loss passed to accelerator.backward and the time of each call (step_times: the seconds between
 calls, i.e. one optimizer step each without gradient accumulation; under DeepSpeed, accelerate's backward also
@@ -207,7 +204,6 @@ def report():
             "first_backward_s": round(times[0] - T0, 3) if times else None, "peaks": peaks, "phases": phases,
             "marks": _state["marks"], "samples": _state["samples"], "streaming": _streaming(),
             "profile": _state.get("profile"), "stream_prefetch": _state.get("stream_prefetch"),
-            "zero_reads": _state.get("zero_reads"),
             "stream_order": _state.get("stream_order")}
 
 
@@ -272,10 +268,6 @@ def _patch(accelerate):
         _state["losses"].append(float(loss.detach().float().item()))
         _state["backward_at"].append(time.time())
         _profile(len(_state["losses"]))
-        if os.environ.get("PROBE_ZERO_READS") == "deepspeed" and "zero_reads" not in _state:
-            import deepspeed.runtime.zero.stage_1_and_2 as stage  # imported and wrapped by now: the engine is built
-
-            _deepspeed_reads(stage)
         mark("backward")
         write()
         return backward(self, loss, *args, **kwargs)
@@ -343,21 +335,6 @@ def _prepared_first(engine_build):
     engine_build.keep_first = lambda by_model: [b for blocks, prepared in sorted(by_model, key=lambda m: not m[1])
                                                 for b in blocks]
     _state["stream_order"] = "prepared first"
-
-
-def _deepspeed_reads(stage):
-    # the fix's wrappers (merge/offload_reads) taken off: DeepSpeed's own functions. At the first backward: the fix,
-    # imported with accelerate (after this probe), has wrapped them by then, before any gradient is read.
-    from accel_ds_fix.instrumentation import PATCHES
-
-    names = [path.split(".", 1)[1] for path, wrapper in PATCHES[stage.__name__].items() if "offload_reads" in wrapper]
-    optimizer, unwrapped = stage.DeepSpeedZeroOptimizer, 0
-    for name in names:
-        function = optimizer.__dict__[name]
-        unwrapped += hasattr(function, "__wrapped__")
-        setattr(optimizer, name, getattr(function, "__wrapped__", function))
-    _state["zero_reads"] = ("deepspeed" if unwrapped == len(names) else
-                            f"deepspeed? only {unwrapped} of {len(names)} wrappers found")
 
 
 def _on_sigterm(signum, frame):
