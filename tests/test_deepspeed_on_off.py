@@ -258,7 +258,10 @@ def test_two_process_zero2_checkpoint_resumed_by_one_plain_process_and_back_unde
                         "--save", home, "--save-at", "4")
     assert len(said(stderr, f"{ckpt} was saved under DeepSpeed (ZeRO-2, 2 processes, fp32); this run has no "
                             "DeepSpeed: converted it")) == 1, stderr[-3000:]
-    assert off["losses"] == ds["losses"][3:] and off["lrs"] == ds["lrs"][3:] and off["count"] == 6
+    assert off["losses"][0] == ds["losses"][3] and off["lrs"] == ds["lrs"][3:] and off["count"] == 6  # the weights
+    # then each step clips: DeepSpeed sums the two processes' partial norms, plain accelerate the tensors' own, so
+    # the factor may differ in its last bit (3e-8 in the third loss on a CPU with AVX-512; bit for bit unclipped)
+    assert max(abs(a - b) for a, b in zip(off["losses"], ds["losses"][3:])) < CLOSE, (off, ds)
     back, stderr = launched("back", "3", "--resume", home, "--first-step", "4", "--steps", "2")
     assert len(said(stderr, f"{home} was saved by plain accelerate; this run is ZeRO-3, 2 processes, fp32: "
                             "converted it")) == 1, stderr[-3000:]
