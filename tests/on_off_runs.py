@@ -5,7 +5,7 @@ checkpointing), in fp32 on the CPU, real accelerate + DeepSpeed.
 
     python tests/on_off_runs.py --layout none|zero1|zero2|zero3|zero2-offload|zero3-offload --steps N
         [--first-step K --resume DIR] [--save DIR --save-at K (K = the first step: before any step)] [--sgd] [--precision fp32|bf16] [--width W]
-        --out FILE.json
+        [--clip MAX_NORM (1.0; 0: no clipping on either side)] --out FILE.json
 
 --precision bf16: accelerate's mixed_precision="bf16" on both sides (DeepSpeed's bf16 with fp32 master weights;
 plain accelerate's fp32 weights under bf16 autocast). --width: the models' width (16; 1536 makes a checkpoint whose
@@ -74,6 +74,7 @@ def main():
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--width", type=int, default=train_two_models.WIDTH)
     p.add_argument("--step-noise", action="store_true")
+    p.add_argument("--clip", type=float, default=1.0, help="the max norm of both sides' clipping; 0: none")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -88,7 +89,7 @@ def main():
 
             PartialState(backend="gloo")
         single_process_env()  # nothing under a launcher
-        plugin = DeepSpeedPlugin(gradient_clipping=1.0, **LAYOUTS[args.layout])
+        plugin = DeepSpeedPlugin(gradient_clipping=args.clip, **LAYOUTS[args.layout])
         accelerator = Accelerator(deepspeed_plugin=plugin, mixed_precision=precision, **once)
     train_two_models.WIDTH = args.width  # read by the models' __init__
     set_seed(0)
@@ -119,8 +120,8 @@ def main():
             pred = unet(latents + noise, text_encoder(ids))
             loss = torch.nn.functional.mse_loss(pred, noise)
             accelerator.backward(loss)
-            if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(params, 1.0)
+            if accelerator.sync_gradients and args.clip:
+                accelerator.clip_grad_norm_(params, args.clip)
             lrs.append(scheduler.get_last_lr()[0])
             optimizer.step()
             scheduler.step()

@@ -237,19 +237,21 @@ def test_bf16_plain_to_deepspeed_and_back_is_bit_exact(tmp_path):
 
 
 def test_two_process_zero2_checkpoint_resumed_by_one_plain_process_and_back_under_two_process_zero3(tmp_path):
-    """About 20 s. `accelerate launch --num_processes 2` (gloo) on the CPU: a 2-process ZeRO-2 checkpoint (two
-    optimizer shards) resumed by one plain process continues as the 2-process run; plain accelerate's checkpoint
-    of that resumed under 2-process ZeRO-3 continues as plain accelerate. Every process trains on the same batches
-    and noise of the step (--step-noise: the plain checkpoint holds random_states_0.pkl alone)."""
+    """About 35 s. `accelerate launch --num_processes 2` (gloo) on the CPU: a 2-process ZeRO-2 checkpoint (two
+    optimizer shards) resumed by one plain process continues as the 2-process run, clipped and unclipped; plain
+    accelerate's checkpoint of that resumed under 2-process ZeRO-3 continues as plain accelerate. Every process
+    trains on the same batches and noise of the step (--step-noise: the plain checkpoint holds random_states_0.pkl
+    alone)."""
     ckpt, home = tmp_path / "ds-ckpt", tmp_path / "plain-ckpt"
 
-    def launched(name, stage, *args):
+    def launched(name, stage, *args, clip="1.0"):
         out = tmp_path / f"{name}.json"
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
                   "--num_machines", "1", "--mixed_precision", "no", "--zero_stage", stage, "--offload_optimizer_device",
                   "none", "--offload_param_device", "none", "--gradient_accumulation_steps", "1",
-                  "--gradient_clipping", "1.0"]
-        proc = run([*launch, RUNS, "--layout", f"zero{stage}", "--step-noise", *args, "--out", out], env=clean_env())
+                  "--gradient_clipping", clip]
+        proc = run([*launch, RUNS, "--layout", f"zero{stage}", "--step-noise", "--clip", clip, *args, "--out", out],
+                   env=clean_env())
         return json.loads(out.read_text()), proc.stderr
 
     ds, _ = launched("ds", "2", "--steps", "6", "--save", ckpt, "--save-at", "3")
@@ -260,8 +262,14 @@ def test_two_process_zero2_checkpoint_resumed_by_one_plain_process_and_back_unde
                             "DeepSpeed: converted it")) == 1, stderr[-3000:]
     assert off["losses"][0] == ds["losses"][3] and off["lrs"] == ds["lrs"][3:] and off["count"] == 6  # the weights
     # then each step clips: DeepSpeed sums the two processes' partial norms, plain accelerate the tensors' own, so
-    # the factor may differ in its last bit (3e-8 in the third loss on a CPU with AVX-512; bit for bit unclipped)
+    # the factor may differ in its last bit (3e-8 in the third loss on a CPU with AVX-512)
     assert max(abs(a - b) for a, b in zip(off["losses"], ds["losses"][3:])) < CLOSE, (off, ds)
+    # unclipped, nothing is summed in another order: the plain process continues bit for bit
+    unclipped = tmp_path / "ds-ckpt-unclipped"
+    ds_bare, _ = launched("ds-unclipped", "2", "--steps", "6", "--save", unclipped, "--save-at", "3", clip="0")
+    off_bare, _ = train(tmp_path, "off-unclipped", "none", "--step-noise", "--clip", "0", "--resume", unclipped,
+                        "--first-step", "3", "--steps", "3")
+    assert off_bare["losses"] == ds_bare["losses"][3:] and off_bare["losses"] != off["losses"]
     back, stderr = launched("back", "3", "--resume", home, "--first-step", "4", "--steps", "2")
     assert len(said(stderr, f"{home} was saved by plain accelerate; this run is ZeRO-3, 2 processes, fp32: "
                             "converted it")) == 1, stderr[-3000:]
